@@ -1,0 +1,11 @@
+"""The package imports, exposes its version and an explicit, resolvable __all__."""
+
+import importlib
+
+
+def test_public_names_resolve() -> None:
+    module = importlib.import_module("ppo_trainer")
+    assert module.__version__ == "0.1.0"
+    assert isinstance(module.__all__, list)
+    for name in module.__all__:
+        assert hasattr(module, name), f"ppo_trainer.__all__ lists {name!r} but the package does not define it"
