@@ -1,5 +1,34 @@
-"""ppo_sampler."""
+"""ppo_sampler: the tail-aware chunk gate and streaming samplers for colocated PPO.
+
+Stdlib only. Pure chunk arithmetic (:func:`plan_chunk`, :func:`chunk_schedule`,
+:func:`group_alignment`, :func:`single_chunk_only`) and the stateful ``in_order`` and
+``ready_first`` samplers the driver polls (:func:`make_sampler`).
+"""
+
+from ppo_sampler._chunk import (
+    chunk_schedule,
+    group_alignment,
+    plan_chunk,
+    single_chunk_only,
+    tail_floor,
+)
+from ppo_sampler._config import SAMPLER_NAMES, SamplerConfig, make_sampler
+from ppo_sampler._samplers import GroupId, InOrderSampler, ReadyFirstSampler, Sampler
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "SAMPLER_NAMES",
+    "GroupId",
+    "InOrderSampler",
+    "ReadyFirstSampler",
+    "Sampler",
+    "SamplerConfig",
+    "__version__",
+    "chunk_schedule",
+    "group_alignment",
+    "make_sampler",
+    "plan_chunk",
+    "single_chunk_only",
+    "tail_floor",
+]
