@@ -322,6 +322,11 @@ def _coerce(tp: Any, value: Any, key: str, problems: list[ConfigProblem]) -> Any
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
