@@ -9,7 +9,6 @@ the package does not declare fails its own tests.
 from __future__ import annotations
 
 import glob
-import os
 import tomllib
 from pathlib import Path
 
@@ -39,7 +38,14 @@ nox.options.sessions = ["lint", "typecheck", *PACKAGES]
 def _sync(session: nox.Session, *args: str) -> None:
     """Exact sync of the lockfile into this session's venv (bytecode compiled)."""
     session.run_install(
-        "uv", "sync", "--frozen", "--active", "--exact", "--group", "dev", *args,
+        "uv",
+        "sync",
+        "--frozen",
+        "--active",
+        "--exact",
+        "--group",
+        "dev",
+        *args,
         env={"UV_COMPILE_BYTECODE": "1", "UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
     )
 
@@ -64,8 +70,8 @@ for _name in PACKAGES:
     _package_session(_name)
 
 
-@nox.session(python="3.11")
-def all(session: nox.Session) -> None:  # noqa: A001 - the session's public name
+@nox.session(name="all", python="3.11")
+def all_packages(session: nox.Session) -> None:
     """Tests of every package together, in one environment."""
     extras = [a for p in PACKAGES for e in CI_EXTRAS.get(p, []) for a in ("--extra", e)]
     _sync(session, "--all-packages", *extras)
