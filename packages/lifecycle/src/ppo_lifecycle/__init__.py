@@ -1,5 +1,39 @@
-"""ppo_lifecycle."""
+"""ppo_lifecycle: idempotent offload/onload with gradients kept resident.
+
+The driver owns the plan (:func:`plan_transitions`, checked by
+:class:`ResidencyLedger`); trainer workers own the mechanism
+(:class:`OffloadManager`, which implements :class:`Offloadable`).
+"""
+
+from ._backends import HostCopyBackend, OffloadBackend, TorchMemorySaverBackend
+from ._ledger import ResidencyError, ResidencyLedger
+from ._manager import OffloadManager
+from ._parts import ALL_PARTS, KEEP_GRADIENTS, Part
+from ._plan import Action, Phase, PlanStep, Role, Transition, Work, plan_transitions
+from ._protocol import Offloadable
+from ._tensors import StorageAliasError, check_gradient_isolation
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "ALL_PARTS",
+    "KEEP_GRADIENTS",
+    "Action",
+    "HostCopyBackend",
+    "OffloadBackend",
+    "OffloadManager",
+    "Offloadable",
+    "Part",
+    "Phase",
+    "PlanStep",
+    "ResidencyError",
+    "ResidencyLedger",
+    "Role",
+    "StorageAliasError",
+    "TorchMemorySaverBackend",
+    "Transition",
+    "Work",
+    "__version__",
+    "check_gradient_isolation",
+    "plan_transitions",
+]

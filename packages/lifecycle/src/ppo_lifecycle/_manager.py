@@ -1,0 +1,253 @@
+"""The reusable sleep/wake_up mechanism trainer workers embed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ._backends import (
+    BackendName,
+    HookMode,
+    HostCopyBackend,
+    OffloadBackend,
+    TorchMemorySaverBackend,
+)
+from ._parts import ALL_PARTS, PART_ORDER, Part, normalize_parts
+from ._tensors import (
+    ExtraTensors,
+    StorageAliasError,
+    check_gradient_isolation,
+    collect_groups,
+    find_overlaps,
+    part_tensors,
+    resolve_device,
+    storage_key,
+)
+
+__all__ = ["OffloadManager"]
+
+logger = logging.getLogger("ppo_lifecycle")
+
+
+def _tms_available() -> bool:
+    try:
+        import torch_memory_saver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class OffloadManager:
+    """Idempotent offload/onload of one model, its optimizer state and gradients.
+
+    Implements :class:`~ppo_lifecycle.Offloadable`. The driver decides *when*
+    (see :func:`~ppo_lifecycle.plan_transitions`); this class is the mechanism.
+
+    Args:
+        model: the trained module (its parameters, ``.grad`` / ``.main_grad`` and buffers).
+        optimizer: its optimizer; state tensors created later (Adam's first step)
+            are found at each sleep.
+        device: the device the model lives on; default: its first parameter's.
+        backend: ``"host_copy"`` (everywhere), ``"torch_memory_saver"`` (CUDA, the
+            ``cuda`` extra), ``"auto"`` (``host_copy``; pick the other explicitly),
+            or an :class:`~ppo_lifecycle.OffloadBackend` instance.
+        name: the model's name in logs and memory-saver tags (``actor``, ``critic``).
+        keep_gradients: the plan keeps gradients resident while other parts sleep;
+            checked here, at set-up, and again at each keep-gradients sleep.
+        extra: more tensors per part that the module does not expose (flat grad
+            buffers): ``{Part.GRADIENTS: lambda: [buffer]}``.
+        on_release_process_groups: called when the model goes from resident to asleep.
+        on_reload_process_groups: called by every ``wake_up()``, including one on a
+            resident model (a failed retry may have torn the groups down).
+        pin_memory / cache_host_buffers: host-copy options (default: on for CUDA).
+        hook_mode: ``torch_memory_saver`` hook mode (see its docs).
+
+    Raises:
+        StorageAliasError: (``ValueError``) ``keep_gradients=True`` while gradients
+            share storage with parameters, buffers or optimizer state.
+        ValueError: an unknown backend, or ``torch_memory_saver`` off CUDA / not installed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: torch.device | str | None = None,
+        backend: BackendName | OffloadBackend = "auto",
+        name: str = "model",
+        keep_gradients: bool = True,
+        extra: ExtraTensors | None = None,
+        on_release_process_groups: Callable[[], None] | None = None,
+        on_reload_process_groups: Callable[[], None] | None = None,
+        pin_memory: bool | None = None,
+        cache_host_buffers: bool | None = None,
+        hook_mode: HookMode | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.device = resolve_device(model, device)
+        self.name = name
+        self.keep_gradients = keep_gradients
+        self.extra = extra
+        self._on_release = on_release_process_groups
+        self._on_reload = on_reload_process_groups
+        self._asleep: set[Part] = set()
+        self._offloaded_bytes: dict[Part, int] = {}
+        if keep_gradients:
+            check_gradient_isolation(model, optimizer, device=self.device, extra=extra)
+        self.backend: OffloadBackend
+        if isinstance(backend, str):
+            if backend in ("auto", "host_copy"):
+                self.backend = HostCopyBackend(
+                    self.device, pin_memory=pin_memory, cache_host_buffers=cache_host_buffers
+                )
+            elif backend == "torch_memory_saver":
+                self.backend = TorchMemorySaverBackend(self.device, name=name, hook_mode=hook_mode)
+            else:
+                raise ValueError(
+                    f"backend: {backend!r} is not a backend; use 'auto', 'host_copy' "
+                    "or 'torch_memory_saver' (CUDA, needs ppo-lifecycle[cuda])"
+                )
+        else:
+            self.backend = backend
+
+    # ----------------------------------------------------------------- state
+    @property
+    def is_asleep(self) -> bool:
+        """Whether any part is off the device."""
+        return bool(self._asleep)
+
+    @property
+    def asleep_parts(self) -> frozenset[Part]:
+        """The parts currently off the device."""
+        return frozenset(self._asleep)
+
+    @property
+    def resident_parts(self) -> frozenset[Part]:
+        """The parts currently on the device."""
+        return ALL_PARTS - self._asleep
+
+    def part_bytes(self) -> dict[Part, int]:
+        """Bytes of each part: measured on the device if resident, as offloaded if not."""
+        result: dict[Part, int] = {}
+        resident = self.resident_parts
+        groups = collect_groups(
+            resident,
+            self.model,
+            self.optimizer,
+            self.device,
+            self.extra,
+            skip=self.backend.offloaded_keys(),
+        )
+        for part in PART_ORDER:
+            if part in resident:
+                result[part] = sum(g.nbytes for g in groups.get(part, []))
+            else:
+                result[part] = self._offloaded_bytes.get(part, 0)
+        return result
+
+    def device_bytes(self) -> int:
+        """Bytes the model's tensors hold on the device right now (measured)."""
+        seen: dict[int, int] = {}
+        for part in Part:
+            for tensor in part_tensors(part, self.model, self.optimizer, self.extra):
+                if tensor.device == self.device:
+                    seen[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    @contextlib.contextmanager
+    def allocation_region(self, part: Part) -> Iterator[None]:
+        """Allocate ``part``'s tensors where its backend wants them.
+
+        With ``torch_memory_saver``, storages that appear inside the block become
+        part of the part's pausable region (no copy at the first sleep). With the
+        host-copy backend this does nothing.
+        """
+        if not isinstance(self.backend, TorchMemorySaverBackend):
+            yield
+            return
+        before = self._keys(part)
+        with self.backend.region(part):
+            yield
+        self.backend.adopt(part, self._keys(part) - before)
+
+    def _keys(self, part: Part) -> set[int]:
+        return {
+            storage_key(t)
+            for t in part_tensors(part, self.model, self.optimizer, self.extra)
+            if t.device == self.device
+        }
+
+    # ------------------------------------------------------------- lifecycle
+    def sleep(self, *, parts: Iterable[Part] = ALL_PARTS) -> None:
+        """Move ``parts`` off the device; parts already off are skipped (logged).
+
+        ``sleep(parts=KEEP_GRADIENTS)`` keeps the accumulated gradients resident.
+
+        Raises:
+            ValueError: ``parts`` is empty or not made of :class:`Part`.
+            StorageAliasError: a kept part shares storage with a part that would leave.
+        """
+        requested = normalize_parts(parts)
+        todo = requested - self._asleep
+        if not todo:
+            logger.info(
+                "%s: sleep(%s) while already offloaded; skipping",
+                self.name,
+                sorted(p.value for p in requested),
+            )
+            return
+        kept = ALL_PARTS - self._asleep - todo
+        overlaps = find_overlaps(kept, todo, self.model, self.optimizer, self.device, self.extra)
+        if overlaps:
+            names = ", ".join(f"{k.value} (kept) <-> {m.value} (offloaded)" for k, m in overlaps)
+            raise StorageAliasError(
+                f"{self.name}: sleep(parts={sorted(p.value for p in requested)}) would offload "
+                f"memory that a kept part uses: {names}. Fix: offload them together, "
+                "or give gradients their own buffers."
+            )
+        groups = collect_groups(
+            todo,
+            self.model,
+            self.optimizer,
+            self.device,
+            self.extra,
+            skip=self.backend.offloaded_keys(),
+        )
+        if not self._asleep and self._on_release is not None:
+            self._on_release()
+        for part in PART_ORDER:
+            if part not in todo:
+                continue
+            self._offloaded_bytes[part] = self.backend.offload(part, groups[part])
+            self._asleep.add(part)
+        logger.info(
+            "%s: offloaded %s (%d bytes), resident: %s",
+            self.name,
+            sorted(p.value for p in todo),
+            sum(self._offloaded_bytes[p] for p in todo),
+            sorted(p.value for p in self.resident_parts),
+        )
+
+    def wake_up(self) -> None:
+        """Bring every offloaded part back; on a resident model only reload process groups."""
+        if not self._asleep:
+            logger.info(
+                "%s: wake_up() while already resident; ensuring process groups only", self.name
+            )
+            if self._on_reload is not None:
+                self._on_reload()
+            return
+        for part in reversed(PART_ORDER):
+            if part in self._asleep:
+                self.backend.reload(part)
+                self._asleep.discard(part)
+                self._offloaded_bytes.pop(part, None)
+        if self._on_reload is not None:
+            self._on_reload()
+        logger.info("%s: resident", self.name)

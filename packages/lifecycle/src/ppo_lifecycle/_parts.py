@@ -1,0 +1,56 @@
+"""What can leave the device: the four parts of a trained model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+
+__all__ = ["ALL_PARTS", "KEEP_GRADIENTS", "Part", "normalize_parts"]
+
+
+class Part(StrEnum):
+    """One kind of device memory a trainer owns.
+
+    ``PARAMETERS``: the model's parameters (tied weights count once).
+    ``OPTIMIZER``: every tensor in the optimizer's state (Adam moments, step counters).
+    ``GRADIENTS``: ``param.grad`` and ``param.main_grad`` (accumulated, not yet applied).
+    ``BUFFERS``: the model's registered buffers (norm statistics, rotary caches).
+    """
+
+    PARAMETERS = "parameters"
+    OPTIMIZER = "optimizer"
+    GRADIENTS = "gradients"
+    BUFFERS = "buffers"
+
+
+#: Offload everything: the model leaves the device completely.
+ALL_PARTS: frozenset[Part] = frozenset(Part)
+
+#: Offload everything except the accumulated gradients, which stay on the device
+#: (the actor between streaming chunks).
+KEEP_GRADIENTS: frozenset[Part] = frozenset(Part) - {Part.GRADIENTS}
+
+#: The order parts leave the device in (and come back in reverse).
+PART_ORDER: tuple[Part, ...] = (Part.OPTIMIZER, Part.GRADIENTS, Part.BUFFERS, Part.PARAMETERS)
+
+
+def normalize_parts(parts: Iterable[Part | str]) -> frozenset[Part]:
+    """Validate ``parts`` (members of :class:`Part` or their string values).
+
+    Raises:
+        ValueError: ``parts`` is empty or names something that is not a part.
+    """
+    result: set[Part] = set()
+    for item in parts:
+        try:
+            result.add(Part(item))
+        except ValueError:
+            valid = ", ".join(p.value for p in Part)
+            raise ValueError(
+                f"parts: {item!r} is not a part; use members of ppo_lifecycle.Part ({valid})"
+            ) from None
+    if not result:
+        raise ValueError(
+            "parts: empty selection; pass at least one Part (ALL_PARTS or KEEP_GRADIENTS)"
+        )
+    return frozenset(result)
