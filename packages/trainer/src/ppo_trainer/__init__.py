@@ -1,5 +1,90 @@
-"""ppo_trainer."""
+"""ppo_trainer: PPO math, actor and critic workers, pluggable training backends.
+
+Public API (see the package README and docs/interfaces.md):
+
+* math: ``gae`` (pinned), ``policy_loss``, ``value_loss``, ``kl_penalty``,
+  ``entropy_from_logits``, ``logprobs_from_logits``, ``masked_mean``, ``masked_sum``,
+  ``masked_whiten``, ``aggregate_loss``, ``check_reward_kl``;
+* configs: ``ModelSpec``, ``ActorConfig``, ``CriticConfig``;
+* workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``;
+* backends: ``get_backend``, ``register_backend``, ``available_backends``,
+  ``backend_importable`` and the ``Backend`` / ``TrainModel`` / ``FrozenModel`` protocols.
+"""
+
+from ppo_trainer._backend import (
+    Backend,
+    BackendFactory,
+    FrozenModel,
+    TrainModel,
+    available_backends,
+    backend_importable,
+    get_backend,
+    lr_multiplier,
+    register_backend,
+)
+from ppo_trainer._config import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    LR_SCHEDULERS,
+    ActorConfig,
+    CriticConfig,
+    ModelSpec,
+)
+from ppo_trainer._math import (
+    PolicyLoss,
+    ValueLoss,
+    aggregate_loss,
+    check_reward_kl,
+    entropy_from_logits,
+    gae,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    policy_loss,
+    value_loss,
+)
+from ppo_trainer._parts import ALL_PARTS, KEEP_GRADIENTS, Part
+from ppo_trainer._workers import ActorWorker, CriticWorker, EmptyStepError, loss_denominator
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "ALL_PARTS",
+    "KEEP_GRADIENTS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "LR_SCHEDULERS",
+    "ActorConfig",
+    "ActorWorker",
+    "Backend",
+    "BackendFactory",
+    "CriticConfig",
+    "CriticWorker",
+    "EmptyStepError",
+    "FrozenModel",
+    "ModelSpec",
+    "Part",
+    "PolicyLoss",
+    "TrainModel",
+    "ValueLoss",
+    "__version__",
+    "aggregate_loss",
+    "available_backends",
+    "backend_importable",
+    "check_reward_kl",
+    "entropy_from_logits",
+    "gae",
+    "get_backend",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "loss_denominator",
+    "lr_multiplier",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "policy_loss",
+    "register_backend",
+    "value_loss",
+]

@@ -1,0 +1,262 @@
+"""The backend contract: what a training backend must implement for the workers.
+
+The workers (``ActorWorker``, ``CriticWorker``) own the PPO logic: losses, chunk and step
+accounting, the loss denominator, checkpoint files, idempotent sleep/wake_up. A backend
+owns everything that depends on how the model is stored and parallelised: building the
+models, running micro-batches forward/backward, the data-parallel gradient reduction,
+the optimizer and scheduler, weight conversion to Hugging Face names, and moving its
+own memory on sleep/wake_up. Two backends exist: ``torch`` (``_torch_backend.py``, the
+CPU default) and ``megatron`` (``ppo_trainer/megatron``, optional extra).
+
+A backend is a module (or object) registered under a name with ``register_backend(name,
+"module.path:factory")`` and reached with ``get_backend(name)``. The factory is called
+once per worker and rank::
+
+    factory(*, config: ActorConfig | CriticConfig, rank: int, world_size: int,
+            dist_init_method: str | None) -> Backend
+
+A ``Backend`` (one per worker per rank) must provide:
+
+* ``name``, ``device`` (where the worker puts batches), ``dp_rank``, ``dp_size``.
+  ``world_size`` counts every rank of the worker group; the data-parallel size is
+  ``world_size / (tensor * pipeline parallel)``. The driver shards batches over
+  data-parallel ranks; ranks of one model-parallel group receive the same shard.
+  The factory initialises ``torch.distributed`` from ``dist_init_method`` when
+  ``world_size > 1`` (gloo on CPU, NCCL on CUDA), or reuses an already initialised
+  default group of the same size (an actor and a critic in one process share it).
+* ``build_policy() -> TrainModel``: the causal LM, trainable, with its optimizer
+  (AdamW: ``lr``, ``betas``, ``adam_eps``, ``weight_decay``) and scheduler
+  (``lr_multiplier`` below, stepped once per optimizer step).
+* ``build_reference() -> FrozenModel``: the same causal LM with the initial weights,
+  no gradients, never updated.
+* ``build_critic() -> TrainModel``: the same architecture with a scalar value head.
+* ``all_reduce_sum(values) -> list[float]``: sum plain floats over the data-parallel
+  group (valid-token counts, metrics). Identity when ``dp_size == 1``.
+* ``release_process_groups()`` / ``restore_process_groups()``: called by the workers'
+  ``sleep``/``wake_up`` (e.g. to free NCCL buffers); both may be no-ops.
+
+A ``FrozenModel`` must provide:
+
+* ``forward(micro_batches, *, fn) -> list[Tensor]``: for every micro-batch (a dict with
+  at least ``input_ids`` and ``attention_mask``, ``[b, T]``, on ``device``) run the
+  model without gradients and return ``fn(output, micro_batch)`` (detached). ``output``
+  is, in the model's NATIVE (unshifted) layout, as float32:
+  - causal LM: logits ``[b, T, V]`` over the FULL vocabulary (a backend with
+    vocab-parallel shards gathers them first), ``logits[:, t]`` scores token ``t + 1``;
+  - critic: values ``[b, T]``, ``values[:, t]`` read from the hidden state at ``t``.
+  The worker's ``fn`` turns that into the shifted layout of docs/interfaces.md. With
+  pipeline parallelism, ``fn`` runs on the last stage and the backend broadcasts its
+  ``[b, T]`` result so every rank returns it.
+* ``export_hf() -> dict[str, Tensor]``: the full weights under Hugging Face
+  ``state_dict()`` names, contiguous CPU tensors, the same on every rank.
+* ``load_hf(state)``: the inverse (strict: every name present, same shapes).
+* ``offload(parts)`` / ``onload()``: move this model's memory off / back to the
+  device. ``parts`` is a set of ``Part`` (``PARAMETERS``, ``OPTIMIZER``, ``GRADIENTS``,
+  ``BUFFERS``); parts not named stay resident (the actor keeps ``GRADIENTS`` between
+  chunks). The worker guarantees the calls alternate (idempotence lives in the
+  worker); after ``onload`` every tensor holds exactly its old value.
+
+A ``TrainModel`` is a ``FrozenModel`` plus:
+
+* ``forward_backward(micro_batches, *, loss_fn) -> list[dict[str, float]]``: for each
+  micro-batch run the forward WITH gradients, ``loss, metrics = loss_fn(output,
+  micro_batch)`` and accumulate ``d loss / d params`` into the gradients (no reduction
+  over ranks, no scaling: the worker has already divided by the step's denominator).
+* ``grads() -> dict[str, Tensor]``: the accumulated local (or, after
+  ``all_reduce_grads``, reduced) gradients by parameter name (backend-native names are
+  fine), zeros for parameters without a gradient yet. Used by tests and diagnostics.
+* ``all_reduce_grads()``: SUM the gradients over the data-parallel group (no averaging).
+* ``step() -> dict[str, float]``: clip the global gradient norm to ``max_grad_norm``
+  (when set), one optimizer step, one scheduler step; returns at least ``grad_norm``
+  (before clipping) and ``lr`` (the rate used). Does not zero the gradients.
+* ``zero_grad()``: reset the accumulated gradients to zero (or None).
+* ``checkpoint_state() -> dict[str, Any]`` / ``load_checkpoint_state(state)``: this
+  rank's model, optimizer and scheduler state as a nested structure of dicts, lists,
+  tuples, tensors and JSON scalars (keys ``"model"``, ``"optimizer"``, ``"scheduler"``).
+  The worker writes the tensors to safetensors and the rest to JSON; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from ppo_trainer._parts import Part
+
+if TYPE_CHECKING:
+    from ppo_trainer._config import ActorConfig, CriticConfig
+
+__all__ = [
+    "Backend",
+    "BackendFactory",
+    "Batch",
+    "FrozenModel",
+    "TrainModel",
+    "available_backends",
+    "backend_importable",
+    "get_backend",
+    "lr_multiplier",
+    "register_backend",
+]
+
+Batch = Mapping[str, torch.Tensor]
+"""One micro-batch: ``input_ids`` / ``attention_mask`` (``[b, T]``) plus worker tensors."""
+
+ForwardFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+@runtime_checkable
+class FrozenModel(Protocol):
+    """A model that only runs forward (the reference model; base of ``TrainModel``)."""
+
+    def forward(self, micro_batches: Sequence[Batch], *, fn: ForwardFn) -> list[torch.Tensor]: ...
+
+    def export_hf(self) -> dict[str, torch.Tensor]: ...
+
+    def load_hf(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    def offload(self, parts: frozenset[Part]) -> None: ...
+
+    def onload(self) -> None: ...
+
+
+@runtime_checkable
+class TrainModel(FrozenModel, Protocol):
+    """A trainable model with its optimizer and scheduler on one rank."""
+
+    def forward_backward(
+        self, micro_batches: Sequence[Batch], *, loss_fn: LossFn
+    ) -> list[dict[str, float]]: ...
+
+    def grads(self) -> dict[str, torch.Tensor]: ...
+
+    def all_reduce_grads(self) -> None: ...
+
+    def step(self) -> dict[str, float]: ...
+
+    def zero_grad(self) -> None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One backend instance per worker and rank (see the module docstring)."""
+
+    name: str
+    device: torch.device
+    dp_rank: int
+    dp_size: int
+
+    def build_policy(self) -> TrainModel: ...
+
+    def build_reference(self) -> FrozenModel: ...
+
+    def build_critic(self) -> TrainModel: ...
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]: ...
+
+    def release_process_groups(self) -> None: ...
+
+    def restore_process_groups(self) -> None: ...
+
+
+class BackendFactory(Protocol):
+    def __call__(
+        self,
+        *,
+        config: ActorConfig | CriticConfig,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+    ) -> Backend: ...
+
+
+# name -> "module:attribute" of the factory; imported lazily so that listing the
+# backends never imports an optional extra.
+_REGISTRY: dict[str, str] = {
+    "torch": "ppo_trainer._torch_backend:create_backend",
+    "megatron": "ppo_trainer.megatron:create_backend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register (or replace) a backend factory given as ``"module.path:attribute"``."""
+    if ":" not in target:
+        raise ValueError(f"backend target {target!r} is invalid: use 'module.path:factory'")
+    _REGISTRY[name] = target
+
+
+def available_backends() -> list[str]:
+    """The registered backend names (importable or not), in registration order."""
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> BackendFactory:
+    """The factory registered under ``name``.
+
+    Raises ``ValueError`` for an unknown name and ``ImportError`` (naming the extra to
+    install) when the backend's dependencies are missing.
+    """
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"backend={name!r} is unknown: use one of {available_backends()}"
+        ) from None
+    module_name, attr = target.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(
+            f"backend={name!r} cannot be imported ({exc}); install the extra, e.g. "
+            f"`uv sync --extra {name}` / `pip install 'ppo-trainer[{name}]'`"
+        ) from exc
+    factory: BackendFactory = getattr(module, attr)
+    return factory
+
+
+def backend_importable(name: str) -> bool:
+    """Whether ``get_backend(name)`` succeeds (its optional dependencies import)."""
+    try:
+        get_backend(name)
+    except ImportError:
+        return False
+    return True
+
+
+def lr_multiplier(
+    *,
+    step: int,
+    scheduler: str,
+    warmup_steps: int,
+    decay_steps: int | None,
+    min_lr_ratio: float,
+) -> float:
+    """The learning-rate factor applied at optimizer step ``step`` (0-based).
+
+    Linear warm-up from ``1 / (warmup_steps + 1)`` to 1 over ``warmup_steps`` steps, then
+    ``constant`` (1), ``linear`` or ``cosine`` decay to ``min_lr_ratio`` over
+    ``decay_steps`` steps (counted after warm-up), then flat at ``min_lr_ratio``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if scheduler == "constant":
+        return 1.0
+    if decay_steps is None or decay_steps <= 0:
+        raise ValueError(f"decay_steps={decay_steps!r} is invalid for lr_scheduler={scheduler!r}")
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if scheduler == "linear":
+        decay = 1.0 - progress
+    elif scheduler == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler={scheduler!r} is unknown: use constant, linear or cosine")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay

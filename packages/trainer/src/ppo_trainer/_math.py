@@ -1,0 +1,314 @@
+"""PPO math as pure functions on ``[B, T]`` tensors (shifted layout of docs/interfaces.md).
+
+Every function takes keyword-only arguments, checks shapes up front (``ValueError``
+naming the argument) and never mutates its inputs. ``mask`` is 1.0 at the positions a
+loss uses and 0.0 elsewhere; masked positions never influence a result. Plain-loop
+references live in ``ppo_trainer._reference`` and the tests check they agree.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PolicyLoss",
+    "ValueLoss",
+    "aggregate_loss",
+    "check_reward_kl",
+    "entropy_from_logits",
+    "gae",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "policy_loss",
+    "value_loss",
+]
+
+
+def _check_2d(**tensors: Tensor) -> None:
+    shape: torch.Size | None = None
+    first = ""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must have shape [B, T], got {tuple(t.shape)}")
+        if shape is None:
+            shape, first = t.shape, name
+        elif t.shape != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but {first} has {tuple(shape)}; "
+                "all inputs must share one [B, T] shape"
+            )
+
+
+def _check_same(values: Tensor, mask: Tensor, *, name: str = "values") -> None:
+    if values.shape != mask.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)} but mask has {tuple(mask.shape)}; "
+            "they must match"
+        )
+
+
+def masked_sum(*, values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of ``values * mask`` (over everything, or along ``dim``). Same shapes."""
+    _check_same(values, mask)
+    masked = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return masked.sum() if dim is None else masked.sum(dim=dim)
+
+
+def masked_mean(*, values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``values`` over the positions where ``mask == 1``; 0 where nothing is valid.
+
+    ``values, mask: [B, T]`` (any equal shapes); ``dim=None`` reduces everything.
+    """
+    total = masked_sum(values=values, mask=mask, dim=dim)
+    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)
+    return total / count.clamp(min=1.0)
+
+
+def masked_whiten(
+    *, values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> Tensor:
+    """Advantage normalisation: ``(values - mean) / sqrt(var + eps)`` over valid positions.
+
+    ``values, mask: [B, T]``. Mean and the unbiased variance (Bessel-corrected; 0 with
+    fewer than two valid positions) are taken over ``mask == 1``. With
+    ``shift_mean=False`` the mean is added back (scale only). Masked positions get 0.
+    """
+    _check_2d(values=values, mask=mask)
+    m = mask.to(values.dtype)
+    count = m.sum()
+    mean = masked_mean(values=values, mask=mask)
+    centered = torch.where(mask.bool(), values - mean, torch.zeros_like(values))
+    var = (centered * centered).sum() / (count - 1.0).clamp(min=1.0)
+    whitened = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(values))
+
+
+def gae(
+    *, rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation per sample over its valid positions.
+
+    ``rewards, values, mask: [B, T]`` -> ``(advantages, returns)``, both ``[B, T]``.
+    For each sample the positions with ``mask == 1`` are taken in order; masked
+    positions in between are skipped (their rewards and values are ignored). With
+    ``V_next`` the value at the next valid position (0 after the last one):
+    ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``,
+    ``returns = A + V``. Masked positions get 0 in both outputs. No gradient flows.
+    """
+    _check_2d(rewards=rewards, values=values, mask=mask)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma={gamma!r} is invalid: use a discount in [0, 1]")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam={lam!r} is invalid: use a GAE lambda in [0, 1]")
+    with torch.no_grad():
+        valid = mask.bool()
+        rewards = rewards.to(values.dtype)
+        next_value = torch.zeros_like(values[:, 0])
+        next_adv = torch.zeros_like(values[:, 0])
+        advantages = torch.zeros_like(values)
+        for t in range(values.shape[1] - 1, -1, -1):
+            v = values[:, t]
+            delta = rewards[:, t] + gamma * next_value - v
+            adv = delta + gamma * lam * next_adv
+            keep = valid[:, t]
+            advantages[:, t] = torch.where(keep, adv, torch.zeros_like(adv))
+            next_value = torch.where(keep, v, next_value)
+            next_adv = torch.where(keep, adv, next_adv)
+        returns = torch.where(valid, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def logprobs_from_logits(*, logits: Tensor, labels: Tensor) -> Tensor:
+    """``log softmax(logits)[..., labels]``: ``logits [..., V]``, ``labels [...]`` -> ``[...]``."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels has shape {tuple(labels.shape)} but logits has {tuple(logits.shape)}; "
+            "labels must match logits without the vocabulary dimension"
+        )
+    logits = logits.float()
+    picked = torch.gather(logits, -1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(*, logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)``: ``logits [..., V]`` -> ``[...]`` (float32)."""
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension, got a scalar")
+    logits = logits.float()
+    logz = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return logz - (probs * logits).sum(dim=-1)
+
+
+def kl_penalty(*, logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token KL(policy || reference) estimate for the KL *loss*: ``[B, T]`` -> ``[B, T]``.
+
+    With ``log_r = ref_logprobs - logprobs``: ``k1 = -log_r``, ``k2 = log_r**2 / 2``,
+    ``k3 = exp(log_r) - 1 - log_r`` (non-negative, unbiased, low variance).
+    """
+    _check_2d(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r * log_r
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"kl_estimator={estimator!r} is unknown: use 'k1', 'k2' or 'k3'")
+
+
+def aggregate_loss(
+    *, loss: Tensor, mask: Tensor, mode: str, denominator: float | Tensor | None = None
+) -> Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar.
+
+    ``mode="token"``: ``sum(loss * mask) / denominator`` with ``denominator`` the number
+    of valid tokens of the WHOLE step (over all chunks and ranks); ``None`` uses this
+    batch's count. ``mode="sample"``: each sample's token mean, summed over samples,
+    divided by ``denominator`` (the step's sample count; ``None``: this batch's samples
+    with at least one valid token). Summing the results over chunks and ranks gives the
+    full-batch loss exactly.
+    """
+    _check_2d(loss=loss, mask=mask)
+    m = mask.to(loss.dtype)
+    if mode == "token":
+        total = masked_sum(values=loss, mask=mask)
+        default = m.sum()
+    elif mode == "sample":
+        per_sample = masked_sum(values=loss, mask=mask, dim=1) / m.sum(dim=1).clamp(min=1.0)
+        total = per_sample.sum()
+        default = (m.sum(dim=1) > 0).to(loss.dtype).sum()
+    else:
+        raise ValueError(f"loss_agg={mode!r} is unknown: use 'token' or 'sample'")
+    if denominator is None:
+        return total / default.clamp(min=1.0)
+    den = float(denominator) if not isinstance(denominator, Tensor) else denominator
+    if (isinstance(den, float) and den <= 0) or (isinstance(den, Tensor) and bool(den <= 0)):
+        raise ValueError(
+            f"loss_denominator={float(den)!r} is invalid: pass the step's positive valid "
+            "token (or sample) count"
+        )
+    return total / den
+
+
+class PolicyLoss(NamedTuple):
+    """``pg_loss``: scalar with gradient; ``clipfrac``, ``approx_kl``: detached scalars."""
+
+    pg_loss: Tensor
+    clipfrac: Tensor
+    approx_kl: Tensor
+
+
+class ValueLoss(NamedTuple):
+    """``v_loss``: scalar with gradient; ``clipfrac``: detached fraction of clipped tokens."""
+
+    v_loss: Tensor
+    clipfrac: Tensor
+
+
+def policy_loss(
+    *,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_agg: str = "token",
+    denominator: float | Tensor | None = None,
+) -> PolicyLoss:
+    """Clipped PPO surrogate, optionally dual-clipped. All inputs ``[B, T]``.
+
+    ``ratio = exp(logprobs - old_logprobs)``; per token
+    ``l = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))``; with
+    ``dual_clip = c > 1``, tokens with ``A < 0`` use ``min(l, -c * A)``. The per-token
+    loss is reduced by ``aggregate_loss(mode=loss_agg, denominator=...)``.
+    ``clipfrac``: share of valid tokens where the clipped branch is active;
+    ``approx_kl``: mean k3 estimate of KL(old || new) over valid tokens.
+    """
+    _check_2d(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    if not eps_clip > 0 or not high > 0:
+        raise ValueError(
+            f"eps_clip={eps_clip!r}, eps_clip_high={eps_clip_high!r} are invalid: use positive values"
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip!r} is invalid: use a constant > 1 or None")
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    if dual_clip is not None:
+        per_token = torch.where(
+            advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token
+        )
+    pg_loss = aggregate_loss(loss=per_token, mask=mask, mode=loss_agg, denominator=denominator)
+    with torch.no_grad():
+        clipped = (loss_clipped > loss_unclipped).to(logprobs.dtype)
+        clipfrac = masked_mean(values=clipped, mask=mask)
+        approx_kl = masked_mean(values=torch.expm1(-log_ratio) + log_ratio, mask=mask)
+    return PolicyLoss(pg_loss=pg_loss, clipfrac=clipfrac, approx_kl=approx_kl)
+
+
+def value_loss(
+    *,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    value_clip: float | None,
+    loss_agg: str = "token",
+    denominator: float | Tensor | None = None,
+) -> ValueLoss:
+    """Clipped value loss. All inputs ``[B, T]``.
+
+    Per token ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with
+    ``V_clip = old_values + clip(V - old_values, -value_clip, value_clip)``;
+    ``value_clip=None`` gives the plain ``0.5 * (V - R)^2``. Reduced like
+    ``aggregate_loss``. ``clipfrac``: share of valid tokens where the clipped term wins.
+    """
+    _check_2d(values=values, old_values=old_values, returns=returns, mask=mask)
+    unclipped = (values - returns) ** 2
+    if value_clip is None:
+        per_token = 0.5 * unclipped
+        clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        if value_clip <= 0:
+            raise ValueError(f"value_clip={value_clip!r} is invalid: use a positive value or None")
+        v_clip = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+        clipped = (v_clip - returns) ** 2
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        with torch.no_grad():
+            clipfrac = masked_mean(values=(clipped > unclipped).to(values.dtype), mask=mask)
+    v_loss = aggregate_loss(loss=per_token, mask=mask, mode=loss_agg, denominator=denominator)
+    return ValueLoss(v_loss=v_loss, clipfrac=clipfrac)
+
+
+def check_reward_kl(*, kl_coef: float, shared: bool = True) -> None:
+    """Reject reward-level KL (``kl_coef != 0``, folded into the GAE rewards) when the
+    actor and the critic share devices.
+
+    In shared mode there is no channel that hands the actor's and reference's
+    log-probabilities to the critic, so the critic would train on rewards without the
+    KL term while the actor's advantages include it: a silently wrong target. Use the
+    KL loss (``kl_loss_coef``) instead.
+    """
+    if shared and kl_coef != 0:
+        raise ValueError(
+            f"kl_coef={kl_coef!r} (reward-level KL folded into GAE rewards) is not supported "
+            "when the actor and critic share GPUs: the critic cannot see the KL term and "
+            "would fit the wrong target. Set kl_coef=0 and use the KL loss instead "
+            "(kl_loss_coef > 0 with kl_estimator k1/k2/k3)."
+        )

@@ -1,0 +1,340 @@
+"""The ``torch`` backend: Hugging Face transformers models, plain torch DDP-by-hand.
+
+Policy and reference: ``AutoModelForCausalLM`` (Qwen2 from ``ModelSpec`` with seeded
+random weights, or a local HF directory, safetensors only). Critic: the same
+architecture as ``AutoModelForTokenClassification`` with ``num_labels=1`` (the base
+model plus a ``score`` linear head), so a critic export loads back with transformers.
+Data parallelism: every rank holds the full model; ``all_reduce_grads`` sums the
+flattened gradients over the default process group (gloo on CPU, NCCL on CUDA).
+Models stay in eval mode (no dropout), so chunked and full-batch runs agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ppo_trainer._backend import Batch, ForwardFn, LossFn, lr_multiplier
+from ppo_trainer._config import ActorConfig, CriticConfig, ModelSpec
+from ppo_trainer._offload import HostOffloader
+from ppo_trainer._parts import Part
+
+__all__ = [
+    "TorchBackend",
+    "TorchFrozenModel",
+    "TorchTrainModel",
+    "build_causal_lm",
+    "build_value_model",
+    "create_backend",
+    "resolve_device",
+]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> the current CUDA device when CUDA is available, else the CPU."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} is invalid on this machine: no CUDA; use 'cpu' or 'auto'"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _hf_config(spec: ModelSpec, **extra: Any) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**spec.hf_config_kwargs(), use_cache=False, **extra)
+
+
+def build_causal_lm(spec: ModelSpec, *, device: torch.device | str = "cpu") -> nn.Module:
+    """The causal LM of ``spec``: seeded random weights, or ``spec.path`` (safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = _TORCH_DTYPES[spec.dtype]
+    if spec.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, use_safetensors=True)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=dtype)
+    model.config.use_cache = False
+    out: nn.Module = model.to(device).eval()
+    return out
+
+
+def build_value_model(spec: ModelSpec, *, device: torch.device | str = "cpu") -> nn.Module:
+    """The critic of ``spec``: base model + ``score`` head (``num_labels=1``, no dropout)."""
+    from transformers import AutoModelForTokenClassification
+
+    dtype = _TORCH_DTYPES[spec.dtype]
+    if spec.path is not None:
+        model = AutoModelForTokenClassification.from_pretrained(
+            spec.path, num_labels=1, classifier_dropout=0.0, dtype=dtype, use_safetensors=True
+        )
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed + 1)
+            config = _hf_config(spec, num_labels=1, classifier_dropout=0.0)
+            model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
+    model.config.use_cache = False
+    out: nn.Module = model.to(device).eval()
+    return out
+
+
+class TorchFrozenModel:
+    """A transformers model that only runs forward (also the base of ``TorchTrainModel``)."""
+
+    def __init__(self, module: nn.Module, *, kind: str, device: torch.device) -> None:
+        self.module = module
+        self.kind = kind  # "lm" or "value"
+        self.device = device
+        self._offloader = HostOffloader([module], self._optimizers())
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return []
+
+    def _run(self, mb: Batch) -> torch.Tensor:
+        out = self.module(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+        logits: torch.Tensor = out.logits
+        if self.kind == "value":
+            return logits.squeeze(-1).float()
+        return logits.float()
+
+    def forward(self, micro_batches: Sequence[Batch], *, fn: ForwardFn) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [fn(self._run(mb), mb).detach() for mb in micro_batches]
+
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().to("cpu", copy=True).contiguous()
+            for k, v in self.module.state_dict().items()
+        }
+
+    def load_hf(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(dict(state), strict=True)
+
+    def offload(self, parts: frozenset[Part]) -> None:
+        self._offloader.offload(parts)
+
+    def onload(self) -> None:
+        self._offloader.onload()
+
+
+class TorchTrainModel(TorchFrozenModel):
+    """A trainable transformers model with AdamW and a LambdaLR schedule."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        kind: str,
+        device: torch.device,
+        config: ActorConfig | CriticConfig,
+        dp_size: int,
+    ) -> None:
+        self.config = config
+        self.dp_size = dp_size
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            partial(
+                _multiplier,
+                scheduler=config.lr_scheduler,
+                warmup_steps=config.warmup_steps,
+                decay_steps=config.decay_steps,
+                min_lr_ratio=config.min_lr_ratio,
+            ),
+        )
+        super().__init__(module, kind=kind, device=device)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    def forward_backward(
+        self, micro_batches: Sequence[Batch], *, loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        metrics = []
+        for mb in micro_batches:
+            loss, m = loss_fn(self._run(mb), mb)
+            loss.backward()
+            metrics.append(m)
+        return metrics
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {
+            name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for name, p in self.module.named_parameters()
+            if p.requires_grad
+        }
+
+    def all_reduce_grads(self) -> None:
+        if self.dp_size == 1:
+            return
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+
+    def step(self) -> dict[str, float]:
+        max_norm = self.config.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.params, max_norm if max_norm is not None else float("inf")
+        )
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"grad_norm": float(norm), "lr": lr}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "model": self.export_hf(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        self.load_hf(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _multiplier(
+    step: int, *, scheduler: str, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float
+) -> float:
+    return lr_multiplier(
+        step=step,
+        scheduler=scheduler,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        min_lr_ratio=min_lr_ratio,
+    )
+
+
+def init_process_group(
+    *, rank: int, world_size: int, dist_init_method: str | None, device: torch.device
+) -> None:
+    """Initialise (or reuse) the default process group for ``world_size > 1``."""
+    if world_size == 1:
+        return
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise ValueError(
+                f"world_size={world_size}, rank={rank} do not match the process group already "
+                f"initialised in this process (world_size={dist.get_world_size()}, "
+                f"rank={dist.get_rank()}); use one group layout per process"
+            )
+        return
+    if dist_init_method is None:
+        raise ValueError(
+            f"dist_init_method=None is invalid with world_size={world_size}: pass a "
+            "rendezvous address such as 'tcp://10.0.0.1:29500' or 'file:///tmp/pg'"
+        )
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=dist_init_method,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+class TorchBackend:
+    """The ``torch`` backend on one rank (pure data parallelism)."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        *,
+        config: ActorConfig | CriticConfig,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} are invalid: need 0 <= rank < world_size"
+            )
+        if config.backend_options:
+            raise ValueError(
+                f"backend_options={dict(config.backend_options)!r} are not used by the torch "
+                "backend: remove them (they are for backend='megatron')"
+            )
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dp_rank = rank
+        self.dp_size = world_size
+        init_process_group(
+            rank=rank, world_size=world_size, dist_init_method=dist_init_method, device=self.device
+        )
+
+    def build_policy(self) -> TorchTrainModel:
+        module = build_causal_lm(self.config.model, device=self.device)
+        return TorchTrainModel(
+            module, kind="lm", device=self.device, config=self.config, dp_size=self.dp_size
+        )
+
+    def build_reference(self) -> TorchFrozenModel:
+        module = build_causal_lm(self.config.model, device=self.device)
+        module.requires_grad_(False)
+        return TorchFrozenModel(module, kind="lm", device=self.device)
+
+    def build_critic(self) -> TorchTrainModel:
+        module = build_value_model(self.config.model, device=self.device)
+        return TorchTrainModel(
+            module, kind="value", device=self.device, config=self.config, dp_size=self.dp_size
+        )
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        if self.dp_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) for v in t.tolist()]
+
+    def release_process_groups(self) -> None:
+        """No-op: the torch backend keeps its (small) process group across sleeps."""
+
+    def restore_process_groups(self) -> None:
+        """No-op (see ``release_process_groups``)."""
+
+
+def create_backend(
+    *,
+    config: ActorConfig | CriticConfig,
+    rank: int,
+    world_size: int,
+    dist_init_method: str | None,
+) -> TorchBackend:
+    """Registry factory of the ``torch`` backend."""
+    return TorchBackend(
+        config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
+    )
