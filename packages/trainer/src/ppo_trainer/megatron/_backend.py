@@ -295,7 +295,6 @@ class _StorageStash:
     def restore(self) -> None:
         for whole, host, nbytes in self._saved:
             whole.untyped_storage().resize_(nbytes)
-            whole.set_(whole.untyped_storage())
             whole.copy_(host)
         self._saved.clear()
 
@@ -345,7 +344,6 @@ class MegatronFrozenModel:
         returns ``(loss, payload)`` on the last pipeline stage. Returns the payloads."""
         results: list[Any] = []
         fb = get_forward_backward_func()
-        hidden = self.layout.hidden_size
         for mb in micro_batches:
             b, t = mb["input_ids"].shape
 
@@ -367,8 +365,6 @@ class MegatronFrozenModel:
                 micro_batch_size=b,
                 forward_only=forward_only,
             )
-            del hidden
-            hidden = self.layout.hidden_size
             results.append(store[0]["payload"] if store else None)
         return results
 
@@ -416,18 +412,15 @@ class MegatronFrozenModel:
         }
 
     def _gather_full(self) -> dict[str, torch.Tensor]:
+        """Every full megatron tensor (global names), on every rank, on the CPU."""
         tp = ps.get_tensor_model_parallel_world_size()
         tp_group = ps.get_tensor_model_parallel_group()
         mine: dict[str, torch.Tensor] = {}
         for name, p in self._named_params():
             data = p.detach()
-            if tp > 1 and _convert.shard(name, data, rank=0, size=1) is data:
+            if tp > 1 and _convert.is_tensor_parallel(name, critic=self.layout.critic):
                 shards = [torch.empty_like(data) for _ in range(tp)]
                 dist.all_gather(shards, data.contiguous(), group=tp_group)
-                if _convert._split_dim(name, critic=self.layout.critic) is None and not name.endswith(
-                    "mlp.linear_fc1.weight"
-                ):
-                    shards = [data]
                 data = _convert.unshard(name, shards, critic=self.layout.critic)
             mine[name] = data.to("cpu", copy=True)
         if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -637,8 +630,6 @@ class MegatronTrainModel(MegatronFrozenModel):
             for inner in self._inner_optimizers():
                 for st in inner.state.values():
                     tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-                if Part.PARAMETERS in parts:
-                    continue
             stash.stash(tensors)
         if Part.BUFFERS in parts:
             stash.stash(list(self.gpt.buffers()))

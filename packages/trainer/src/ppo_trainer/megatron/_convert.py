@@ -39,6 +39,7 @@ __all__ = [
     "Layout",
     "global_name",
     "hf_to_megatron",
+    "is_tensor_parallel",
     "local_name",
     "megatron_to_hf",
     "shard",
@@ -218,6 +219,11 @@ def _split_dim(name: str, *, critic: bool) -> int | None:
     if name.endswith(_COLUMN_PARALLEL):
         return 0
     return None
+
+
+def is_tensor_parallel(name: str, *, critic: bool = False) -> bool:
+    """Whether tensor-parallel ranks hold different slices of ``name``."""
+    return name.endswith("mlp.linear_fc1.weight") or _split_dim(name, critic=critic) is not None
 
 
 def shard(
