@@ -1,0 +1,225 @@
+"""Round trips of a real tiny model and its real Adam through the host-copy backend."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ppo_lifecycle import (
+    ALL_PARTS,
+    KEEP_GRADIENTS,
+    HostCopyBackend,
+    Offloadable,
+    OffloadManager,
+    Part,
+)
+
+from lifecycle_models import (
+    TinyLM,
+    assert_bit_exact,
+    batch,
+    loss_fn,
+    make,
+    snapshot,
+    train_step,
+)
+
+
+def _trained() -> tuple[TinyLM, torch.optim.Adam]:
+    model, opt = make()
+    train_step(model, opt, seed=1)  # Adam state exists (exp_avg, exp_avg_sq, step)
+    loss_fn(model, batch(2)).backward()  # and accumulated, un-applied gradients
+    return model, opt
+
+
+def test_manager_is_offloadable() -> None:
+    model, opt = make()
+    assert isinstance(OffloadManager(model, opt), Offloadable)
+
+
+def test_round_trip_is_bit_exact_and_releases_storage() -> None:
+    model, opt = _trained()
+    manager = OffloadManager(model, opt, name="actor")
+    before = snapshot(model, opt)
+    resident = manager.device_bytes()
+    params = list(model.parameters())
+    exp_avg = [opt.state[p]["exp_avg"] for p in params]
+    assert resident > 0
+
+    manager.sleep()
+
+    assert manager.is_asleep and manager.asleep_parts == ALL_PARTS
+    assert manager.device_bytes() == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    assert all(p.grad is not None and p.grad.untyped_storage().nbytes() == 0 for p in params)
+    assert all(t.untyped_storage().nbytes() == 0 for t in exp_avg)
+    assert model.temperature.untyped_storage().nbytes() == 0
+
+    manager.wake_up()
+
+    assert not manager.is_asleep
+    assert manager.device_bytes() == resident
+    assert_bit_exact(before, snapshot(model, opt))
+    # The very same tensor objects are back in place: optimizer references hold.
+    assert list(model.parameters()) == params
+    assert all(opt.state[p]["exp_avg"] is t for p, t in zip(params, exp_avg, strict=True))
+
+
+def test_tied_weights_move_once_and_stay_tied() -> None:
+    model, opt = _trained()
+    manager = OffloadManager(model, opt)
+    tied_bytes = model.embed.weight.untyped_storage().nbytes()
+    untied = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert manager.part_bytes()[Part.PARAMETERS] == untied  # parameters() yields it once
+    manager.sleep()
+    assert model.head.weight.untyped_storage().nbytes() == 0
+    manager.wake_up()
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert model.embed.weight.untyped_storage().nbytes() == tied_bytes
+
+
+def test_keep_gradients_sleep_keeps_accumulated_gradients() -> None:
+    model, opt = _trained()
+    manager = OffloadManager(model, opt)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    grad_bytes = manager.part_bytes()[Part.GRADIENTS]
+
+    manager.sleep(parts=KEEP_GRADIENTS)
+
+    assert manager.resident_parts == {Part.GRADIENTS}
+    assert manager.device_bytes() == grad_bytes > 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    # Gradients are usable while asleep (the driver may reduce them, clip them...).
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert p.grad is not None and torch.equal(p.grad, g)
+
+    manager.wake_up()
+    # Accumulate one more chunk on top: the sum is what a resident model would get.
+    loss_fn(model, batch(3)).backward()
+    reference, ref_opt = _trained()
+    loss_fn(reference, batch(3)).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        pytest.param(KEEP_GRADIENTS, id="keep-gradients"),
+        pytest.param(ALL_PARTS, id="all"),
+        pytest.param({Part.OPTIMIZER}, id="optimizer-only"),
+    ],
+)
+def test_training_with_offload_matches_training_without(parts: frozenset[Part]) -> None:
+    """Two chunks per step, offload between chunks and between steps, step for step."""
+    plain, plain_opt = make(seed=7)
+    model, opt = make(seed=7)
+    manager = OffloadManager(model, opt)
+    for step in range(3):
+        for chunk in range(2):
+            seed = 10 * step + chunk
+            loss_fn(plain, batch(seed)).backward()
+            loss_fn(model, batch(seed)).backward()
+            manager.sleep(parts=parts)
+            manager.wake_up()
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        manager.sleep(parts=ALL_PARTS)
+        manager.wake_up()
+        assert_bit_exact(snapshot(plain, plain_opt), snapshot(model, opt))
+
+
+def test_second_sleep_is_a_logged_no_op(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = _trained()
+    calls: list[str] = []
+
+    class Counting(HostCopyBackend):
+        def offload(self, part, groups):  # type: ignore[no-untyped-def]
+            calls.append(f"offload {part}")
+            return super().offload(part, groups)
+
+    manager = OffloadManager(model, opt, backend=Counting(torch.device("cpu")))
+    manager.sleep(parts=KEEP_GRADIENTS)
+    n = len(calls)
+    with caplog.at_level(logging.INFO, logger="ppo_lifecycle"):
+        manager.sleep(parts=KEEP_GRADIENTS)
+    assert len(calls) == n
+    assert "already offloaded; skipping" in caplog.text
+    # A wider sleep moves only what is still resident: the gradients.
+    manager.sleep(parts=ALL_PARTS)
+    assert calls[n:] == ["offload gradients"]
+    assert manager.device_bytes() == 0
+
+
+def test_wake_up_on_resident_model_only_reloads_process_groups(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, opt = _trained()
+    events: list[str] = []
+    manager = OffloadManager(
+        model,
+        opt,
+        on_release_process_groups=lambda: events.append("release"),
+        on_reload_process_groups=lambda: events.append("reload"),
+    )
+    before = snapshot(model, opt)
+    with caplog.at_level(logging.INFO, logger="ppo_lifecycle"):
+        manager.wake_up()
+    assert events == ["reload"]
+    assert "already resident" in caplog.text
+    manager.sleep(parts=KEEP_GRADIENTS)
+    manager.sleep(parts=ALL_PARTS)  # already asleep: groups are not released twice
+    manager.wake_up()
+    assert events == ["reload", "release", "reload"]
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_bad_parts_and_backend_are_named() -> None:
+    model, opt = make()
+    manager = OffloadManager(model, opt)
+    with pytest.raises(ValueError, match="parts: 'weights' is not a part"):
+        manager.sleep(parts=["weights"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="parts: empty selection"):
+        manager.sleep(parts=[])
+    with pytest.raises(ValueError, match="backend: 'nvme'"):
+        OffloadManager(model, opt, backend="nvme")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not CUDA"):
+        OffloadManager(model, opt, backend="torch_memory_saver")
+
+
+def test_host_buffers_are_released_on_cpu_by_default() -> None:
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"))
+    manager = OffloadManager(model, opt, backend=backend)
+    total = manager.device_bytes()
+    manager.sleep()
+    assert backend.host_bytes() == total
+    manager.wake_up()
+    assert backend.host_bytes() == 0
+    cached = HostCopyBackend(torch.device("cpu"), cache_host_buffers=True)
+    manager = OffloadManager(model, opt, backend=cached)
+    manager.sleep()
+    manager.wake_up()
+    assert cached.host_bytes() == total
+
+
+def test_new_optimizer_state_is_found_at_each_sleep() -> None:
+    model, opt = make()
+    manager = OffloadManager(model, opt)
+    manager.sleep()  # no Adam state and no gradients yet
+    manager.wake_up()
+    train_step(model, opt, seed=4)  # Adam state appears now
+    before = snapshot(model, opt)
+    manager.sleep()
+    assert all(
+        t.untyped_storage().nbytes() == 0
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
