@@ -1,0 +1,366 @@
+"""Start and stop the project's local Ray cluster: the one place that calls ``ray.init``.
+
+On a small, busy machine a cold ``ray.init()`` can fail with "The current node timed
+out during startup": the raylet gives its Python agents a fixed window to write their
+port files and aborts when their imports are slower than that. The real reason is only
+in the session's ``raylet.out``. :func:`start_local_ray` therefore
+
+* binds every Ray process to the loopback interface (127.0.0.1), keeps the dashboard and
+  usage stats off, and raises the registration timeouts that Ray reads from ``RAY_*``
+  environment variables (only where the caller has not set them);
+* compiles / warms the agents' imports when they look cold, and again before a retry;
+* retries a failed start (after killing the processes the failed attempt left behind);
+* and, when every attempt failed, raises :class:`RayStartError` quoting the raylet's
+  own error lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import importlib.util
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import ray
+
+__all__ = [
+    "LocalRay",
+    "RayStartError",
+    "apply_local_ray_env",
+    "shutdown_local_ray",
+    "start_local_ray",
+]
+
+_log = logging.getLogger(__name__)
+
+#: Environment that every local start uses. ``RAY_USAGE_STATS_ENABLED`` and the loopback
+#: switch are forced; the timeouts are defaults the caller may override in the environment.
+_FORCED_ENV = {
+    # Never phone home.
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # "Single-machine" mode: Ray resolves the node address to 127.0.0.1 instead of the
+    # host's routable address, so GCS, raylet, object manager and workers listen on
+    # loopback only (Ray reads this once, at import, into ray_constants.ENABLE_RAY_CLUSTER).
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    # Under `uv run`, Ray >= 2.43 would otherwise start every worker through `uv run`
+    # inside a zip of the current directory (a runtime_env with py_executable and
+    # working_dir): slow, and it re-resolves the environment. The workers use this
+    # interpreter (sys.executable), which already has the whole workspace installed.
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+}
+_DEFAULT_ENV = {
+    # How long the raylet waits for its agents (default 30 s on Linux).
+    "RAY_agent_register_timeout_ms": "120000",
+    # How long the raylet waits for a started worker process to register (default 60 s);
+    # a worker that imports torch on a loaded 2-core machine can need more.
+    "RAY_worker_register_timeout_seconds": "180",
+}
+
+#: Modules the raylet's two Python agents import at start-up.
+_AGENT_MODULES = ("ray.dashboard.agent", "ray._private.runtime_env.agent.main")
+
+_RAYLET_LINE = re.compile(r"^\[[^\]]* (?P<level>[A-Z]) \d+ \d+\]")
+_REASON_HINTS = ("Timed out", "timed out", "Check failed", "Failed to", "FATAL")
+
+_warmed = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRay:
+    """What :func:`start_local_ray` started (or found already running).
+
+    Attributes:
+        address: GCS address (``"127.0.0.1:port"``) other processes can join with.
+        session_dir: the session directory (its ``logs/`` holds ``raylet.out``).
+        node_ip: the node's IP address as Ray reports it (``127.0.0.1`` when started here).
+        started: ``False`` when Ray was already initialised and was reused as is.
+        attempts: how many ``ray.init`` calls it took (0 when reused).
+        startup_s: wall-clock seconds spent in this call.
+    """
+
+    address: str
+    session_dir: str
+    node_ip: str
+    started: bool
+    attempts: int
+    startup_s: float
+
+
+class RayStartError(RuntimeError):
+    """Every attempt to start the local Ray cluster failed.
+
+    ``reasons`` holds, per attempt, the exception text followed by the raylet's own
+    error lines from that attempt's ``raylet.out`` (when it got that far).
+    """
+
+    def __init__(self, message: str, *, reasons: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+
+
+def start_local_ray(
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int = 0,
+    resources: Mapping[str, float] | None = None,
+    object_store_memory: int | None = 512 * 1024 * 1024,
+    log_to_driver: bool = True,
+    namespace: str | None = None,
+    attempts: int = 3,
+    warm_imports: bool | None = None,
+) -> LocalRay:
+    """Start a fresh local Ray cluster bound to 127.0.0.1, or reuse the one already up.
+
+    Always starts a NEW cluster (``address="local"``), never attaches to another
+    process's cluster found on the machine. If this process already initialised Ray
+    (by an earlier call or otherwise), that cluster is reused and nothing is started;
+    a :class:`ValueError` is raised when it has fewer GPUs than ``num_gpus`` asks for.
+
+    Args:
+        num_cpus: logical CPUs of the node. ``None``: the machine's core count, but at
+            least ``num_gpus`` so that the default placement bundle ``{"GPU": 1,
+            "CPU": 1}`` fits once per GPU.
+        num_gpus: logical GPUs of the node (may exceed the physical ones on a CPU
+            machine: Ray then only does the bookkeeping, e.g. ``ray.get_gpu_ids()``).
+        resources: extra custom resources of the node.
+        object_store_memory: bytes of the shared-memory object store (``None``: Ray's
+            default, 30% of RAM).
+        log_to_driver: stream the workers' stdout/stderr to this process.
+        namespace: Ray namespace for named actors.
+        attempts: ``ray.init`` attempts before giving up (>= 1).
+        warm_imports: import the raylet agents' modules in a throw-away interpreter
+            before the first attempt (byte-compiles them and fills the page cache).
+            ``None``: only when their byte code is missing. Always done before a retry.
+
+    Returns:
+        A :class:`LocalRay` record (address, session directory, timing).
+
+    Raises:
+        ValueError: a bad argument, or a running cluster too small for ``num_gpus``.
+        RayStartError: every attempt failed; the message quotes the raylet's reason.
+    """
+    t_start = time.perf_counter()
+    if num_gpus < 0:
+        raise ValueError(f"num_gpus={num_gpus} must be >= 0")
+    if num_cpus is not None and num_cpus < 1:
+        raise ValueError(f"num_cpus={num_cpus} must be >= 1 (or None for the core count)")
+    if attempts < 1:
+        raise ValueError(f"attempts={attempts} must be >= 1")
+
+    if ray.is_initialized():
+        return _reuse_running(num_gpus=num_gpus, t_start=t_start)
+
+    apply_local_ray_env()
+    if num_cpus is None:
+        num_cpus = max(os.cpu_count() or 1, num_gpus)
+    if warm_imports is None:
+        warm_imports = not _agents_compiled()
+    if warm_imports:
+        _warm_agent_imports()
+
+    reasons: list[str] = []
+    for attempt in range(1, attempts + 1):
+        before = _session_dirs()
+        t_attempt_boot = _seconds_since_boot()
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=dict(resources) if resources else None,
+                object_store_memory=object_store_memory,
+                include_dashboard=False,
+                log_to_driver=log_to_driver,
+                namespace=namespace,
+                _node_ip_address="127.0.0.1",
+            )
+        except Exception as exc:  # Ray raises a bare Exception on start-up timeouts
+            reason = f"attempt {attempt}: {type(exc).__name__}: {exc}"
+            raylet = _raylet_reason(sorted(_session_dirs() - before))
+            if raylet:
+                reason += f"\n  raylet.out says:\n{raylet}"
+            reasons.append(reason)
+            _log.warning("Ray start failed (%s)", reason)
+            _cleanup_failed_attempt(t_attempt_boot)
+            if attempt < attempts:
+                _warm_agent_imports(force=True)
+                time.sleep(1.0)
+            continue
+        return _describe(started=True, attempts=attempt, t_start=t_start)
+
+    raise RayStartError(
+        f"could not start a local Ray cluster in {attempts} attempt(s) "
+        f"({time.perf_counter() - t_start:.0f} s). Reasons:\n" + "\n".join(reasons),
+        reasons=tuple(reasons),
+    )
+
+
+def shutdown_local_ray() -> None:
+    """Disconnect from and stop the local Ray cluster; a no-op when Ray is not running."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _reuse_running(*, num_gpus: int, t_start: float) -> LocalRay:
+    have = float(ray.cluster_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
+    if have < num_gpus:
+        raise ValueError(
+            f"num_gpus={num_gpus}: Ray is already initialised in this process with only "
+            f"{have:g} GPU(s); call shutdown_local_ray() first or ask for at most {have:g}"
+        )
+    return _describe(started=False, attempts=0, t_start=t_start)
+
+
+def _describe(*, started: bool, attempts: int, t_start: float) -> LocalRay:
+    ctx = ray.get_runtime_context()
+    node = ray._private.worker.global_worker.node
+    assert node is not None, "ray.is_initialized() but the worker has no node"
+    return LocalRay(
+        address=str(ctx.gcs_address),
+        session_dir=str(node.get_session_dir_path()),
+        node_ip=str(node.node_ip_address),
+        started=started,
+        attempts=attempts,
+        startup_s=time.perf_counter() - t_start,
+    )
+
+
+def apply_local_ray_env() -> None:
+    """Set the project's Ray process environment in this process, starting nothing.
+
+    Loopback-only addresses, usage stats off, no ``uv run`` runtime environment for
+    workers, and longer agent / worker registration timeouts (those only where the
+    environment does not set them already). :func:`start_local_ray` calls it; call it
+    yourself before ``ray.cluster_utils.Cluster`` or a ``ray start`` subprocess.
+    Idempotent.
+    """
+    os.environ.update(_FORCED_ENV)
+    for key, value in _DEFAULT_ENV.items():
+        os.environ.setdefault(key, value)
+    # Ray copied two of these switches into module constants when it was imported.
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+
+
+def _agents_compiled() -> bool:
+    for name in _AGENT_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            return False
+        if not os.path.exists(importlib.util.cache_from_source(spec.origin)):
+            return False
+    return True
+
+
+def _warm_agent_imports(*, force: bool = False) -> None:
+    """Import the agents' modules once in a child interpreter (byte-compiles, warms caches)."""
+    global _warmed
+    if _warmed and not force:
+        return
+    code = "import " + ", ".join(_AGENT_MODULES)
+    try:
+        subprocess.run(
+            [sys.executable, "-c", code],
+            check=False,
+            timeout=300,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        _log.warning("warming Ray's agent imports took over 300 s; starting anyway")
+    _warmed = True
+
+
+def _ray_temp_root() -> str:
+    base = os.environ.get("RAY_TMPDIR") or (
+        os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None
+    )
+    return os.path.join(base or "/tmp", "ray")
+
+
+def _session_dirs() -> set[str]:
+    """Session directories this process created (Ray names them ``session_<date>_<pid>``)."""
+    return set(glob.glob(os.path.join(_ray_temp_root(), f"session_*_{os.getpid()}")))
+
+
+def _raylet_reason(session_dirs: list[str], *, max_lines: int = 6) -> str:
+    """The raylet's own error lines (``raylet.out``, then ``raylet.err``) of the sessions."""
+    quoted: list[str] = []
+    for session in session_dirs:
+        for name in ("raylet.out", "raylet.err"):
+            path = Path(session) / "logs" / name
+            if not path.exists():
+                continue
+            picked = [
+                line
+                for line in path.read_text(errors="replace").splitlines()
+                if ((m := _RAYLET_LINE.match(line)) and m.group("level") in "EFC")
+                or any(hint in line for hint in _REASON_HINTS)
+            ]
+            quoted += [line for line in picked[-max_lines:] if line not in quoted]
+    return "\n".join(f"    {line}" for line in quoted)
+
+
+def _seconds_since_boot() -> float:
+    try:
+        return float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return float("inf")  # not Linux: no cleanup of leftovers
+
+
+def _cleanup_failed_attempt(since_boot_s: float) -> None:
+    """Kill this process's descendants that the failed attempt started (GCS, raylet, ...)."""
+    ray.shutdown()
+    leftovers = _descendants_started_after(os.getpid(), since_boot_s)
+    for pid in leftovers:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    # Reap our direct children among them so that no zombies are left behind.
+    deadline = time.monotonic() + 5.0
+    for pid in leftovers:
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    break
+            except ChildProcessError:  # not our child, or already reaped
+                break
+            time.sleep(0.05)
+
+
+def _descendants_started_after(root: int, since_boot_s: float) -> list[int]:
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parent: dict[int, int] = {}
+    started: dict[int, float] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()
+        pid = int(stat.split("/")[2])
+        parent[pid] = int(fields[1])
+        started[pid] = int(fields[19]) / ticks
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        current = frontier.pop()
+        for pid, ppid in parent.items():
+            if ppid == current:
+                frontier.append(pid)
+                if started[pid] >= since_boot_s - 0.5:
+                    found.append(pid)
+    return found
