@@ -1,0 +1,795 @@
+"""The ``megatron`` backend: megatron-core ``GPTModel``, megatron DDP and optimizer.
+
+One :class:`MegatronBackend` per worker and rank. Set-up initialises
+``torch.distributed`` (gloo on CPU, NCCL on CUDA; a one-rank group when
+``world_size == 1``) and megatron's ``parallel_state`` with the tensor / pipeline sizes
+of ``backend_options`` (the data-parallel size is what is left of ``world_size``). An
+actor and a critic in one process share that layout.
+
+Models are built in megatron's own layout and filled from the Hugging Face model of the
+same ``ModelSpec`` (``build_causal_lm`` / ``build_value_model`` of the torch backend,
+converted by :mod:`._convert`), so both backends start from identical weights. The
+layer spec is Transformer Engine's when TE imports and CUDA is present, the local
+(pure megatron-core) spec otherwise. The critic is the same ``GPTModel`` whose output
+layer is replaced by a scalar value head. Without CUDA every megatron call runs inside
+:func:`._cpu_shim.cuda_as_cpu`.
+
+Gradients: megatron DDP (classic, optionally with the distributed optimizer)
+accumulates into its contiguous ``main_grad`` buffers; the config sets
+``calculate_per_token_loss`` so that neither the schedule nor DDP rescales anything:
+``all_reduce_grads`` SUMS over the data-parallel group, as the worker contract needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ppo_trainer._backend import Batch, ForwardFn, LossFn, lr_multiplier
+from ppo_trainer._config import ActorConfig, CriticConfig
+from ppo_trainer._parts import Part
+from ppo_trainer._torch_backend import build_causal_lm, build_value_model, resolve_device
+from ppo_trainer.megatron import _convert
+from ppo_trainer.megatron._cpu_shim import cuda_as_cpu
+from ppo_trainer.megatron._options import MegatronOptions, parse_options
+
+with warnings.catch_warnings():
+    # megatron-core warns at import time that Transformer Engine / Apex are missing and
+    # that it falls back to torch implementations; that is the expected CPU set-up.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
+    from megatron.core import parallel_state as ps  # type: ignore[import-untyped]
+    from megatron.core.distributed import (  # type: ignore[import-untyped]
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
+    from megatron.core.models.gpt.gpt_layer_specs import (  # type: ignore[import-untyped]
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.optimizer import (  # type: ignore[import-untyped]
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
+    from megatron.core.pipeline_parallel import (  # type: ignore[import-untyped]
+        get_forward_backward_func,
+    )
+    from megatron.core.tensor_parallel import (  # type: ignore[import-untyped]
+        model_parallel_cuda_manual_seed,
+    )
+    from megatron.core.transformer import TransformerConfig  # type: ignore[import-untyped]
+    from megatron.core.transformer.transformer_layer import (  # type: ignore[import-untyped]
+        get_transformer_layer_offset,
+    )
+
+__all__ = [
+    "MegatronBackend",
+    "MegatronFrozenModel",
+    "MegatronTrainModel",
+    "create_backend",
+    "transformer_engine_available",
+]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FAMILY = ("qwen2", "llama")
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports and CUDA is present (the TE layer spec is usable)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import transformer_engine.pytorch  # noqa: F401  # type: ignore[import-not-found]
+    except Exception:  # ImportError, or a broken CUDA build raising at import
+        return False
+    return True
+
+
+# --- process groups ---------------------------------------------------------------------
+
+
+def _init_distributed(
+    *, rank: int, world_size: int, dist_init_method: str | None, device: torch.device
+) -> None:
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise ValueError(
+                f"world_size={world_size}, rank={rank} do not match the process group already "
+                f"initialised in this process (world_size={dist.get_world_size()}, "
+                f"rank={dist.get_rank()}); use one group layout per process"
+            )
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if world_size == 1 and dist_init_method is None:
+        # megatron needs a process group even alone: a one-rank group on an in-memory store.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    if dist_init_method is None:
+        raise ValueError(
+            f"dist_init_method=None is invalid with world_size={world_size}: pass a "
+            "rendezvous address such as 'tcp://10.0.0.1:29500' or 'file:///tmp/pg'"
+        )
+    dist.init_process_group(
+        backend=backend, init_method=dist_init_method, rank=rank, world_size=world_size
+    )
+
+
+def _init_model_parallel(opts: MegatronOptions, *, world_size: int, seed: int) -> None:
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"{opts.prefix}.tensor_model_parallel_size={tp} x "
+            f"{opts.prefix}.pipeline_model_parallel_size={pp} does not divide "
+            f"world_size={world_size}: choose sizes whose product divides the number of ranks"
+        )
+    if ps.model_parallel_is_initialized():
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
+        if have != (tp, pp):
+            raise ValueError(
+                f"{opts.prefix}.tensor_model_parallel_size={tp}, pipeline_model_parallel_size="
+                f"{pp} differ from the layout already initialised in this process {have}: the "
+                "actor and the critic share ranks, so give them the same parallel sizes"
+            )
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+# --- model construction -----------------------------------------------------------------
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ValueError(
+            f"model rope_type={kind!r} is not supported by the megatron backend: use a model "
+            "with plain RoPE (rope_type 'default') or backend='torch'"
+        )
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return float(theta)
+
+
+def _layout(hf_config: Any, *, te: bool, critic: bool) -> _convert.Layout:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _FAMILY:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by the megatron backend: use one of "
+            f"{_FAMILY} or backend='torch'"
+        )
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("model mlp_bias=True is not supported by the megatron backend")
+    heads = int(hf_config.num_attention_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if head_dim * heads != hf_config.hidden_size:
+        raise ValueError(f"model head_dim={head_dim} x heads={heads} != hidden_size")
+    qkv_bias = True if model_type == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
+    return _convert.Layout(
+        num_layers=int(hf_config.num_hidden_layers),
+        hidden_size=int(hf_config.hidden_size),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf_config.num_key_value_heads),
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not critic,
+        te_norm_names=te,
+        critic=critic,
+    )
+
+
+class ValueHead(nn.Module):
+    """The critic's scalar head in place of ``GPTModel.output_layer``.
+
+    Called as the output layer is (``hidden [s, b, h] -> ([s, b, 1], None)``); replicated
+    on every tensor-parallel rank (its input, the final hidden state, is replicated).
+    """
+
+    def __init__(self, hidden_size: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+
+    def forward(
+        self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        del weight, runtime_gather_output
+        return F.linear(hidden_states, self.weight, self.bias), None
+
+
+def _transformer_config(
+    hf_config: Any, lay: _convert.Layout, opts: MegatronOptions, *, dtype: torch.dtype, te: bool
+) -> Any:
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    if lay.num_layers % pp:
+        raise ValueError(
+            f"{opts.prefix}.pipeline_model_parallel_size={pp} does not divide the model's "
+            f"{lay.num_layers} layers: choose a divisor"
+        )
+    if lay.num_key_value_heads % tp or hf_config.vocab_size % tp:
+        raise ValueError(
+            f"{opts.prefix}.tensor_model_parallel_size={tp} must divide the model's key/value "
+            f"heads ({lay.num_key_value_heads}) and vocab size ({hf_config.vocab_size})"
+        )
+    if opts.fp8_param and not te:
+        raise ValueError(
+            f"{opts.prefix}.fp8_param=true needs the Transformer Engine layer spec (CUDA and "
+            f"the `te` extra): set {opts.prefix}.fp8_param=false"
+        )
+    fp8: dict[str, Any] = {}
+    if opts.fp8_param:
+        fp8 = {"fp8": "hybrid", "fp8_recipe": opts.fp8_recipe or "delayed", "fp8_param": True}
+    return TransformerConfig(
+        num_layers=lay.num_layers,
+        hidden_size=lay.hidden_size,
+        num_attention_heads=lay.num_attention_heads,
+        num_query_groups=lay.num_key_value_heads,
+        kv_channels=lay.head_dim,
+        ffn_hidden_size=int(hf_config.intermediate_size),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=lay.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        sequence_parallel=False,
+        cuda_graph_scope=[],  # the default ("full") warns that it is deprecated
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,  # every weight is overwritten from the HF model
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True,  # no loss / gradient rescaling anywhere
+        **fp8,
+    )
+
+
+# --- storage-level offload of megatron's contiguous buffers ------------------------------
+
+
+class _StorageStash:
+    """Frees a tensor's storage (``resize_(0)``) after copying it to the host, and back.
+
+    Views into the storage (megatron's parameters and ``main_grad`` live inside DDP's
+    contiguous buffers) stay valid objects, and see the old values again after restore.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def stash(self, tensors: Sequence[torch.Tensor]) -> None:
+        seen: set[int] = set()
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            nbytes = storage.nbytes()
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.is_cuda)
+            host.copy_(whole)
+            self._saved.append((whole, host, nbytes))
+            storage.resize_(0)
+
+    def restore(self) -> None:
+        for whole, host, nbytes in self._saved:
+            whole.untyped_storage().resize_(nbytes)
+            whole.copy_(host)
+        self._saved.clear()
+
+
+# --- models -----------------------------------------------------------------------------
+
+
+class MegatronFrozenModel:
+    """A megatron ``GPTModel`` (policy, reference or critic) on one rank, forward only."""
+
+    def __init__(
+        self,
+        gpt: nn.Module,
+        *,
+        layout: _convert.Layout,
+        device: torch.device,
+        offset: int,
+    ) -> None:
+        self.gpt = gpt
+        self.module: nn.Module = gpt
+        self.layout = layout
+        self.device = device
+        self.offset = offset
+        self._stash: _StorageStash | None = None
+
+    # -- running ------------------------------------------------------------------------
+    def _output(self, output: torch.Tensor) -> torch.Tensor:
+        if self.layout.critic:
+            return output.squeeze(-1).float()
+        return output.float()
+
+    def _module_forward(self, mb: Batch) -> torch.Tensor:
+        ids = mb["input_ids"]
+        b, t = ids.shape
+        positions = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
+        out: torch.Tensor = self.module(ids, positions, None)
+        return out
+
+    def _run(
+        self,
+        micro_batches: Sequence[Batch],
+        *,
+        last_stage_fn: Any,
+        forward_only: bool,
+    ) -> list[Any]:
+        """Run each micro-batch through megatron's schedule; ``last_stage_fn(out, mb)``
+        returns ``(loss, payload)`` on the last pipeline stage. Returns the payloads."""
+        results: list[Any] = []
+        fb = get_forward_backward_func()
+        for mb in micro_batches:
+            b, t = mb["input_ids"].shape
+
+            def loss_func(mb: Batch, output: torch.Tensor) -> Any:
+                loss, payload = last_stage_fn(self._output(output), mb)
+                one = torch.ones((), dtype=torch.int, device=output.device)
+                return loss, one, {"payload": payload}
+
+            def forward_step(data_iterator: Iterator[Batch], model: nn.Module) -> Any:
+                mb = next(data_iterator)
+                return self._module_forward(mb), partial(loss_func, mb)
+
+            store = fb(
+                forward_step_func=forward_step,
+                data_iterator=iter([mb]),
+                model=[self.module],
+                num_microbatches=1,
+                seq_length=t,
+                micro_batch_size=b,
+                forward_only=forward_only,
+            )
+            results.append(store[0]["payload"] if store else None)
+        return results
+
+    def _broadcast_from_last_stage(self, values: list[Any], shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return list(values)
+        group = ps.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
+        out = []
+        for value, shape in zip(values, shapes, strict=True):
+            t = value if value is not None else torch.empty(shape, dtype=torch.float32, device=self.device)
+            t = t.to(torch.float32).contiguous()
+            dist.broadcast(t, src=src, group=group)
+            out.append(t)
+        return out
+
+    def forward(self, micro_batches: Sequence[Batch], *, fn: ForwardFn) -> list[torch.Tensor]:
+        with cuda_as_cpu(), torch.no_grad():
+            self.module.eval()
+            if ps.get_pipeline_model_parallel_world_size() == 1:
+                return [
+                    fn(self._output(self._module_forward(mb)), mb).detach()
+                    for mb in micro_batches
+                ]
+            zero = torch.zeros((), device=self.device)
+            payloads = self._run(
+                micro_batches,
+                last_stage_fn=lambda out, mb: (zero, fn(out, mb).detach()),
+                forward_only=True,
+            )
+            shapes = [tuple(mb["input_ids"].shape) for mb in micro_batches]
+            return self._broadcast_from_last_stage(payloads, shapes)  # type: ignore[arg-type]
+
+    # -- weights ------------------------------------------------------------------------
+    def _named_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in self.gpt.named_parameters():
+            yield _convert.global_name(name, offset=self.offset), p
+
+    def export_hf(self) -> dict[str, torch.Tensor]:
+        with cuda_as_cpu(), torch.no_grad():
+            full = self._gather_full()
+        return {
+            k: v.detach().to("cpu", copy=True).contiguous()
+            for k, v in _convert.megatron_to_hf(full, self.layout).items()
+        }
+
+    def _gather_full(self) -> dict[str, torch.Tensor]:
+        """Every full megatron tensor (global names), on every rank, on the CPU."""
+        tp = ps.get_tensor_model_parallel_world_size()
+        tp_group = ps.get_tensor_model_parallel_group()
+        mine: dict[str, torch.Tensor] = {}
+        for name, p in self._named_params():
+            data = p.detach()
+            if tp > 1 and _convert.is_tensor_parallel(name, critic=self.layout.critic):
+                shards = [torch.empty_like(data) for _ in range(tp)]
+                dist.all_gather(shards, data.contiguous(), group=tp_group)
+                data = _convert.unshard(name, shards, critic=self.layout.critic)
+            mine[name] = data.to("cpu", copy=True)
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return mine
+        parts: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
+        full: dict[str, torch.Tensor] = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    def load_hf(self, state: Mapping[str, torch.Tensor]) -> None:
+        full = _convert.hf_to_megatron(state, self.layout)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        tp = ps.get_tensor_model_parallel_world_size()
+        with cuda_as_cpu(), torch.no_grad():
+            for name, p in self._named_params():
+                if name not in full:
+                    raise KeyError(f"megatron weight {name!r} has no HF source")
+                value = _convert.shard(
+                    name, full[name], rank=tp_rank, size=tp, critic=self.layout.critic
+                )
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"weight {name}: HF gives shape {tuple(value.shape)}, megatron has "
+                        f"{tuple(p.shape)}"
+                    )
+                p.copy_(value.to(dtype=p.dtype, device=p.device))
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """Hook: the train model refreshes the optimizer's main parameters."""
+
+    # -- offload ------------------------------------------------------------------------
+    def offload(self, parts: frozenset[Part]) -> None:
+        assert self._stash is None, "offload() twice without onload()"
+        stash = _StorageStash()
+        if Part.PARAMETERS in parts:
+            stash.stash(list(self.gpt.parameters()))
+        if Part.BUFFERS in parts:
+            stash.stash(list(self.gpt.buffers()))
+        self._stash = stash
+
+    def onload(self) -> None:
+        if self._stash is not None:
+            self._stash.restore()
+            self._stash = None
+
+
+class MegatronTrainModel(MegatronFrozenModel):
+    """A ``GPTModel`` wrapped in megatron DDP with a megatron optimizer (Adam)."""
+
+    def __init__(
+        self,
+        gpt: nn.Module,
+        *,
+        layout: _convert.Layout,
+        device: torch.device,
+        offset: int,
+        config: ActorConfig | CriticConfig,
+        opts: MegatronOptions,
+        tconfig: Any,
+    ) -> None:
+        super().__init__(gpt, layout=layout, device=device, offset=offset)
+        self.config = config
+        self.opts = opts
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=opts.use_distributed_optimizer,
+            use_megatron_fsdp=False,
+        )
+        with cuda_as_cpu():
+            self.ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=gpt)
+            self.module = self.ddp
+            dtype = tconfig.params_dtype
+            opt_config = OptimizerConfig(
+                optimizer="adam",
+                lr=config.lr,
+                min_lr=config.lr * config.min_lr_ratio,
+                weight_decay=config.weight_decay,
+                adam_beta1=config.betas[0],
+                adam_beta2=config.betas[1],
+                adam_eps=config.adam_eps,
+                clip_grad=config.max_grad_norm or 0.0,
+                use_distributed_optimizer=opts.use_distributed_optimizer,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+            )
+            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+        self._steps = 0
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [opt.optimizer for opt in chained]
+
+    def forward_backward(
+        self, micro_batches: Sequence[Batch], *, loss_fn: LossFn
+    ) -> list[dict[str, float]]:
+        with cuda_as_cpu():
+            self.module.train()
+            if ps.get_pipeline_model_parallel_world_size() == 1:
+                metrics: list[dict[str, float]] = []
+                for mb in micro_batches:
+                    loss, m = loss_fn(self._output(self._module_forward(mb)), mb)
+                    loss.backward()
+                    metrics.append(m)
+                return metrics
+            payloads = self._run(micro_batches, last_stage_fn=loss_fn, forward_only=False)
+            return self._broadcast_metrics(payloads)
+
+    def _broadcast_metrics(self, payloads: list[Any]) -> list[dict[str, float]]:
+        group = ps.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
+        box = [payloads]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return [dict(m) for m in box[0]]
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self._named_params():
+            g = getattr(p, "main_grad", None)
+            out[name] = g.detach().clone() if g is not None else torch.zeros_like(p)
+        return out
+
+    def all_reduce_grads(self) -> None:
+        with cuda_as_cpu():
+            finalize_model_grads([self.ddp])
+
+    def step(self) -> dict[str, float]:
+        lr = self.config.lr * lr_multiplier(
+            step=self._steps,
+            scheduler=self.config.lr_scheduler,
+            warmup_steps=self.config.warmup_steps,
+            decay_steps=self.config.decay_steps,
+            min_lr_ratio=self.config.min_lr_ratio,
+        )
+        with cuda_as_cpu():
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
+        self._steps += 1
+        return {"grad_norm": float(grad_norm or 0.0), "lr": lr}
+
+    def zero_grad(self) -> None:
+        with cuda_as_cpu():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+    def _after_load(self) -> None:
+        with cuda_as_cpu():
+            self.optimizer.reload_model_params()
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        model = {n: p.detach().to("cpu", copy=True) for n, p in self._named_params()}
+        optim: list[dict[str, Any]] = []
+        for inner in self._inner_optimizers():
+            params = [p for g in inner.param_groups for p in g["params"]]
+            state: dict[str, Any] = {}
+            for i, p in enumerate(params):
+                if p in inner.state:
+                    state[str(i)] = {
+                        k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                        for k, v in inner.state[p].items()
+                    }
+            optim.append({"state": state, "num_params": len(params)})
+        return {"model": model, "optimizer": optim, "scheduler": {"step": self._steps}}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        model = state["model"]
+        with cuda_as_cpu(), torch.no_grad():
+            for name, p in self._named_params():
+                p.copy_(model[name].to(dtype=p.dtype, device=p.device))
+            inners = self._inner_optimizers()
+            if len(inners) != len(state["optimizer"]):
+                raise ValueError("checkpoint optimizer layout differs from this model's")
+            for inner, saved in zip(inners, state["optimizer"], strict=True):
+                params = [p for g in inner.param_groups for p in g["params"]]
+                if int(saved["num_params"]) != len(params):
+                    raise ValueError("checkpoint optimizer layout differs from this model's")
+                inner.state.clear()
+                for key, values in saved["state"].items():
+                    p = params[int(key)]
+                    inner.state[p] = {
+                        k: (v.to(p.device) if isinstance(v, torch.Tensor) else v)
+                        for k, v in values.items()
+                    }
+            self.optimizer.reload_model_params()
+        self._steps = int(state["scheduler"]["step"])
+
+    # -- offload --------------------------------------------------------------------------
+    def _buffers(self) -> list[Any]:
+        return [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
+
+    def offload(self, parts: frozenset[Part]) -> None:
+        assert self._stash is None, "offload() twice without onload()"
+        stash = _StorageStash()
+        if Part.PARAMETERS in parts:
+            stash.stash([b.param_data for b in self._buffers() if b.param_data is not None])
+            stash.stash([p for _, p in self._named_params()])  # params outside the buffers
+        if Part.GRADIENTS in parts:
+            stash.stash([b.grad_data for b in self._buffers()])
+        if Part.OPTIMIZER in parts:
+            tensors: list[torch.Tensor] = []
+            for inner in self._inner_optimizers():
+                for st in inner.state.values():
+                    tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+            stash.stash(tensors)
+        if Part.BUFFERS in parts:
+            stash.stash(list(self.gpt.buffers()))
+        self._stash = stash
+
+
+# --- the backend --------------------------------------------------------------------------
+
+
+class MegatronBackend:
+    """The ``megatron`` backend on one rank."""
+
+    name = "megatron"
+
+    def __init__(
+        self,
+        *,
+        config: ActorConfig | CriticConfig,
+        rank: int,
+        world_size: int,
+        dist_init_method: str | None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} are invalid: need 0 <= rank < world_size"
+            )
+        role = "critic" if isinstance(config, CriticConfig) else "policy"
+        self.opts = parse_options(config.backend_options, role=role)
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and torch.cuda.is_available():
+            raise ValueError(
+                f"{role}.device={config.device!r} is not supported by the megatron backend on a "
+                "machine with CUDA (megatron-core places its tensors on the current GPU): use "
+                "'auto' or 'cuda'"
+            )
+        impl = self.opts.transformer_impl
+        te_ok = transformer_engine_available()
+        if impl == "transformer_engine" and not te_ok:
+            raise ValueError(
+                f"{self.opts.prefix}.transformer_impl='transformer_engine' needs CUDA and the "
+                f"`te` extra: install it or set {self.opts.prefix}.transformer_impl='local'"
+            )
+        self.use_te = te_ok if impl == "auto" else impl == "transformer_engine"
+        seed = self.opts.seed if self.opts.seed is not None else config.model.seed
+        with cuda_as_cpu():
+            _init_distributed(
+                rank=rank,
+                world_size=world_size,
+                dist_init_method=dist_init_method,
+                device=self.device,
+            )
+            _init_model_parallel(self.opts, world_size=world_size, seed=seed)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+
+    # -- models -------------------------------------------------------------------------
+    def _build(self, *, critic: bool) -> tuple[nn.Module, _convert.Layout, int, Any, dict[str, torch.Tensor]]:
+        spec = self.config.model
+        hf = build_value_model(spec) if critic else build_causal_lm(spec)
+        hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
+        hf_config = hf.config
+        lay = _layout(hf_config, te=self.use_te, critic=critic)
+        dtype = _DTYPES[spec.dtype]
+        with cuda_as_cpu():
+            tconfig = _transformer_config(hf_config, lay, self.opts, dtype=dtype, te=self.use_te)
+            layer_spec = (
+                get_gpt_layer_with_transformer_engine_spec()
+                if self.use_te
+                else get_gpt_layer_local_spec(normalization="RMSNorm")
+            )
+            pre = ps.is_pipeline_first_stage()
+            post = ps.is_pipeline_last_stage()
+            gpt = GPTModel(
+                config=tconfig,
+                transformer_layer_spec=layer_spec,
+                vocab_size=int(hf_config.vocab_size),
+                max_sequence_length=int(hf_config.max_position_embeddings),
+                pre_process=pre,
+                post_process=post,
+                parallel_output=False,  # gather the full vocabulary for the worker
+                share_embeddings_and_output_weights=lay.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_percent=1.0,
+                rotary_base=_rope_theta(hf_config),
+            )
+            if critic and post:
+                gpt.output_layer = ValueHead(
+                    lay.hidden_size, dtype=dtype, device=self.device
+                )
+            gpt.to(self.device)
+            offset = get_transformer_layer_offset(tconfig)
+        return gpt, lay, offset, tconfig, hf_state
+
+    def build_policy(self) -> MegatronTrainModel:
+        gpt, lay, offset, tconfig, hf_state = self._build(critic=False)
+        model = MegatronTrainModel(
+            gpt,
+            layout=lay,
+            device=self.device,
+            offset=offset,
+            config=self.config,
+            opts=self.opts,
+            tconfig=tconfig,
+        )
+        model.load_hf(hf_state)
+        return model
+
+    def build_reference(self) -> MegatronFrozenModel:
+        gpt, lay, offset, _, hf_state = self._build(critic=False)
+        gpt.requires_grad_(False)
+        model = MegatronFrozenModel(gpt, layout=lay, device=self.device, offset=offset)
+        model.load_hf(hf_state)
+        return model
+
+    def build_critic(self) -> MegatronTrainModel:
+        gpt, lay, offset, tconfig, hf_state = self._build(critic=True)
+        model = MegatronTrainModel(
+            gpt,
+            layout=lay,
+            device=self.device,
+            offset=offset,
+            config=self.config,
+            opts=self.opts,
+            tconfig=tconfig,
+        )
+        model.load_hf(hf_state)
+        return model
+
+    # -- collectives ----------------------------------------------------------------------
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        if self.dp_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ps.get_data_parallel_group())
+        return [float(v) for v in t.tolist()]
+
+    def release_process_groups(self) -> None:
+        """No-op: megatron's process groups are shared by the actor and the critic."""
+
+    def restore_process_groups(self) -> None:
+        """No-op (see ``release_process_groups``)."""
+
+
+def create_backend(
+    *,
+    config: ActorConfig | CriticConfig,
+    rank: int,
+    world_size: int,
+    dist_init_method: str | None,
+) -> MegatronBackend:
+    """Registry factory of the ``megatron`` backend (``get_backend("megatron")``)."""
+    return MegatronBackend(
+        config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
+    )
