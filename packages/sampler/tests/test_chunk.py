@@ -221,13 +221,13 @@ def test_single_chunk_only_rejects_min_above_batch() -> None:
 
 def test_pinned_functions_are_keyword_only() -> None:
     with pytest.raises(TypeError):
-        plan_chunk(10, 128, 32)  # type: ignore[misc]
+        plan_chunk(10, 128, 32)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
-        single_chunk_only(128, 32)  # type: ignore[misc]
+        single_chunk_only(128, 32)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
-        group_alignment(4, 2, 2)  # type: ignore[misc]
+        group_alignment(4, 2, 2)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
-        chunk_schedule([128], 128, 32)  # type: ignore[misc]
+        chunk_schedule([128], 128, 32)  # type: ignore[call-arg]
 
 
 def test_docstring_examples_hold() -> None:

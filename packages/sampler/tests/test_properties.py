@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ppo_sampler import (
+    GroupId,
     InOrderSampler,
     ReadyFirstSampler,
     chunk_schedule,
@@ -99,7 +100,7 @@ def test_plan_chunk_defers_rather_than_trims(
 def test_in_order_sampler_claims_every_group_exactly_once(step: Step, rng: random.Random) -> None:
     """Groups finish in random order across two steps; nothing lost, duplicated or late."""
     sampler = InOrderSampler(max_lookahead_versions=1)
-    returned: list[int] = []
+    returned: list[GroupId] = []
     for trainer_step in (0, 1):
         ids = [trainer_step * 1000 + i for i in range(step.batch)]
         rng.shuffle(ids)
@@ -154,7 +155,7 @@ def test_ready_first_partitions_groups(
     assert len(chunk) == plan_chunk(ready=len(fresh), remaining=remaining, min_groups=low)
     assert set(chunk) <= set(fresh)
     # oldest eligible versions are claimed first
-    claimed_versions = [versions[g] for g in chunk]
+    claimed_versions = [versions[int(g)] for g in chunk]
     assert claimed_versions == sorted(claimed_versions)
     if chunk:
         assert max(claimed_versions, default=0) <= min(

@@ -376,7 +376,11 @@ def test_from_mapping_names_the_bad_key(config: dict[str, Any], message: str) ->
             "max_staleness_versions=-1",
             id="staleness",
         ),
-        pytest.param(lambda: ReadyFirstSampler(evict_stale=1), "evict_stale=1", id="evict"),
+        pytest.param(
+            lambda: ReadyFirstSampler(evict_stale=1),  # type: ignore[arg-type]
+            "evict_stale=1",
+            id="evict",
+        ),
     ],
 )
 def test_sampler_constructors_validate(factory: Any, message: str) -> None:
