@@ -51,10 +51,14 @@ A ``FrozenModel`` must provide:
   ``state_dict()`` names, contiguous CPU tensors, the same on every rank.
 * ``load_hf(state)``: the inverse (strict: every name present, same shapes).
 * ``offload(parts)`` / ``onload()``: move this model's memory off / back to the
-  device. ``parts`` is a set of ``Part`` (``PARAMETERS``, ``OPTIMIZER``, ``GRADIENTS``,
-  ``BUFFERS``); parts not named stay resident (the actor keeps ``GRADIENTS`` between
-  chunks). The worker guarantees the calls alternate (idempotence lives in the
-  worker); after ``onload`` every tensor holds exactly its old value.
+  device (the torch backend uses ``ppo_lifecycle.OffloadManager``). ``parts`` is a set
+  of ``Part`` (``PARAMETERS``, ``OPTIMIZER``, ``GRADIENTS``, ``BUFFERS``); parts not
+  named stay resident (the actor keeps ``GRADIENTS`` between chunks). ``offload`` may
+  be called again with further, disjoint parts before ``onload``; ``onload`` brings
+  back everything. The worker guarantees it never offloads a part twice (idempotence
+  lives in the worker); after ``onload`` every tensor holds exactly its old value and
+  the accumulated gradients are untouched by a keep-gradients sleep. Honour
+  ``config.offload_backend`` (``auto`` / ``host_copy`` / ``torch_memory_saver``).
 
 A ``TrainModel`` is a ``FrozenModel`` plus:
 

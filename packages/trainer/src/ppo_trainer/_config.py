@@ -16,6 +16,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCHEDULERS",
+    "OFFLOAD_BACKENDS",
     "ActorConfig",
     "CriticConfig",
     "ModelSpec",
@@ -24,6 +25,7 @@ __all__ = [
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token", "sample")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+OFFLOAD_BACKENDS = ("auto", "host_copy", "torch_memory_saver")
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -161,11 +163,11 @@ class _TrainConfig:
             raise _bad(f"{p}.micro_batch_size", self.micro_batch_size, "use a positive integer")
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise _bad(f"{p}.loss_agg", self.loss_agg, f"use one of {LOSS_AGGREGATIONS}")
-        if self.offload_backend not in ("auto", "host", "torch_memory_saver"):
+        if self.offload_backend not in OFFLOAD_BACKENDS:
             raise _bad(
                 f"{p}.offload_backend",
                 self.offload_backend,
-                "use 'auto', 'host' or 'torch_memory_saver'",
+                f"use one of {OFFLOAD_BACKENDS} (torch_memory_saver: CUDA only)",
             )
 
     def _prefix(self) -> str:

@@ -1,26 +1,29 @@
-"""The offloadable parts of a worker (``Part``), taken from ppo-lifecycle."""
+"""The offloadable parts of a worker, re-exported from ppo-lifecycle."""
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Iterable
 
-__all__ = ["ALL_PARTS", "KEEP_GRADIENTS", "Part"]
+from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Part
 
-try:
-    from ppo_lifecycle import Part
-except ImportError:  # pragma: no cover - until ppo-lifecycle exports Part
-
-    class Part(enum.Enum):  # type: ignore[no-redef]
-        """What moves on sleep (mirror of ``ppo_lifecycle.Part``)."""
-
-        PARAMETERS = "parameters"
-        OPTIMIZER = "optimizer"
-        GRADIENTS = "gradients"
-        BUFFERS = "buffers"
+__all__ = ["ALL_PARTS", "KEEP_GRADIENTS", "Part", "parts_from"]
 
 
-ALL_PARTS: frozenset[Part] = frozenset(Part)
-"""Sleep offloads everything (the default)."""
-
-KEEP_GRADIENTS: frozenset[Part] = frozenset(p for p in Part if p is not Part.GRADIENTS)
-"""A keep-gradients sleep: the actor between chunks of one step."""
+def parts_from(parts: Iterable[Part | str] | None) -> frozenset[Part]:
+    """Validate a ``parts=`` argument (``None``: every part)."""
+    if parts is None:
+        return ALL_PARTS
+    out: set[Part] = set()
+    for item in parts:
+        try:
+            out.add(Part(item))
+        except ValueError:
+            raise ValueError(
+                f"parts={item!r} is invalid: use members of ppo_lifecycle.Part "
+                f"({', '.join(p.value for p in Part)})"
+            ) from None
+    if not out:
+        raise ValueError(
+            "parts=() is invalid: pass at least one Part (ALL_PARTS or KEEP_GRADIENTS)"
+        )
+    return frozenset(out)

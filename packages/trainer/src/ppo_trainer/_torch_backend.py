@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ppo_lifecycle import OffloadManager
 from torch import nn
 
 from ppo_trainer._backend import Batch, ForwardFn, LossFn, lr_multiplier
 from ppo_trainer._config import ActorConfig, CriticConfig, ModelSpec
-from ppo_trainer._offload import HostOffloader
 from ppo_trainer._parts import Part
 
 __all__ = [
@@ -67,10 +67,10 @@ def build_causal_lm(spec: ModelSpec, *, device: torch.device | str = "cpu") -> n
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
-            model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=dtype)  # type: ignore[no-untyped-call]
     model.config.use_cache = False
-    out: nn.Module = model.to(device).eval()
-    return out
+    module: nn.Module = model
+    return module.to(device).eval()
 
 
 def build_value_model(spec: ModelSpec, *, device: torch.device | str = "cpu") -> nn.Module:
@@ -86,23 +86,37 @@ def build_value_model(spec: ModelSpec, *, device: torch.device | str = "cpu") ->
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed + 1)
             config = _hf_config(spec, num_labels=1, classifier_dropout=0.0)
-            model = AutoModelForTokenClassification.from_config(config, dtype=dtype)
+            model = AutoModelForTokenClassification.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     model.config.use_cache = False
-    out: nn.Module = model.to(device).eval()
-    return out
+    module: nn.Module = model
+    return module.to(device).eval()
 
 
 class TorchFrozenModel:
     """A transformers model that only runs forward (also the base of ``TorchTrainModel``)."""
 
-    def __init__(self, module: nn.Module, *, kind: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        kind: str,
+        device: torch.device,
+        name: str,
+        offload_backend: str = "auto",
+        optimizer: torch.optim.Optimizer | None = None,
+        keep_gradients: bool = False,
+    ) -> None:
         self.module = module
         self.kind = kind  # "lm" or "value"
         self.device = device
-        self._offloader = HostOffloader([module], self._optimizers())
-
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return []
+        self.lifecycle = OffloadManager(
+            module,
+            optimizer,
+            device=device,
+            backend=offload_backend,  # type: ignore[arg-type]
+            name=name,
+            keep_gradients=keep_gradients,
+        )
 
     def _run(self, mb: Batch) -> torch.Tensor:
         out = self.module(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
@@ -125,10 +139,10 @@ class TorchFrozenModel:
         self.module.load_state_dict(dict(state), strict=True)
 
     def offload(self, parts: frozenset[Part]) -> None:
-        self._offloader.offload(parts)
+        self.lifecycle.sleep(parts=parts)
 
     def onload(self) -> None:
-        self._offloader.onload()
+        self.lifecycle.wake_up()
 
 
 class TorchTrainModel(TorchFrozenModel):
@@ -142,6 +156,8 @@ class TorchTrainModel(TorchFrozenModel):
         device: torch.device,
         config: ActorConfig | CriticConfig,
         dp_size: int,
+        name: str,
+        keep_gradients: bool,
     ) -> None:
         self.config = config
         self.dp_size = dp_size
@@ -163,10 +179,15 @@ class TorchTrainModel(TorchFrozenModel):
                 min_lr_ratio=config.min_lr_ratio,
             ),
         )
-        super().__init__(module, kind=kind, device=device)
-
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer]
+        super().__init__(
+            module,
+            kind=kind,
+            device=device,
+            name=name,
+            offload_backend=config.offload_backend,
+            optimizer=self.optimizer,
+            keep_gradients=keep_gradients,
+        )
 
     def forward_backward(
         self, micro_batches: Sequence[Batch], *, loss_fn: LossFn
@@ -174,7 +195,7 @@ class TorchTrainModel(TorchFrozenModel):
         metrics = []
         for mb in micro_batches:
             loss, m = loss_fn(self._run(mb), mb)
-            loss.backward()
+            torch.autograd.backward(loss)
             metrics.append(m)
         return metrics
 
@@ -299,18 +320,36 @@ class TorchBackend:
     def build_policy(self) -> TorchTrainModel:
         module = build_causal_lm(self.config.model, device=self.device)
         return TorchTrainModel(
-            module, kind="lm", device=self.device, config=self.config, dp_size=self.dp_size
+            module,
+            kind="lm",
+            device=self.device,
+            config=self.config,
+            dp_size=self.dp_size,
+            name="actor",
+            keep_gradients=True,
         )
 
     def build_reference(self) -> TorchFrozenModel:
         module = build_causal_lm(self.config.model, device=self.device)
         module.requires_grad_(False)
-        return TorchFrozenModel(module, kind="lm", device=self.device)
+        return TorchFrozenModel(
+            module,
+            kind="lm",
+            device=self.device,
+            name="reference",
+            offload_backend=self.config.offload_backend,
+        )
 
     def build_critic(self) -> TorchTrainModel:
         module = build_value_model(self.config.model, device=self.device)
         return TorchTrainModel(
-            module, kind="value", device=self.device, config=self.config, dp_size=self.dp_size
+            module,
+            kind="value",
+            device=self.device,
+            config=self.config,
+            dp_size=self.dp_size,
+            name="critic",
+            keep_gradients=False,
         )
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from functools import partial
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from ppo_trainer._math import (
     policy_loss,
     value_loss,
 )
-from ppo_trainer._parts import ALL_PARTS, Part
+from ppo_trainer._parts import ALL_PARTS, Part, parts_from
 from ppo_trainer._serialize import load_state, save_state
 
 __all__ = ["ActorWorker", "CriticWorker", "EmptyStepError", "loss_denominator"]
@@ -111,21 +112,16 @@ def _cpu_cat(parts: list[Tensor]) -> Tensor:
     return torch.cat([p.to("cpu") for p in parts], dim=0)
 
 
-def _parts(parts: Iterable[Part] | None) -> frozenset[Part]:
-    if parts is None:
-        return ALL_PARTS
-    out = frozenset(parts)
-    bad = [p for p in out if not isinstance(p, Part)]
-    if bad:
-        raise ValueError(f"parts={bad!r} are invalid: use members of ppo_lifecycle.Part")
-    return out
-
-
 class _Lifecycle:
-    """Idempotent sleep/wake_up shared by both workers (models are moved by the backend)."""
+    """Idempotent sleep/wake_up shared by both workers (models are moved by the backend).
+
+    Implements ``ppo_lifecycle.Offloadable``: parts already off the device are skipped,
+    so ``sleep(parts=KEEP_GRADIENTS)`` followed by ``sleep()`` also offloads the
+    gradients; a sleep with nothing left to move is a logged no-op.
+    """
 
     _backend: Backend
-    _asleep: bool
+    _asleep_parts: frozenset[Part]
     _name: str
 
     def _models(self) -> list[tuple[FrozenModel, bool]]:
@@ -134,37 +130,49 @@ class _Lifecycle:
 
     @property
     def is_asleep(self) -> bool:
-        """Whether the worker's model memory is offloaded."""
-        return self._asleep
+        """Whether any part of the worker's model memory is offloaded."""
+        return bool(self._asleep_parts)
+
+    @property
+    def asleep_parts(self) -> frozenset[Part]:
+        """The parts of the trained model currently off the device."""
+        return self._asleep_parts
 
     def sleep(self, *, parts: Iterable[Part] | None = None) -> None:
-        """Offload ``parts`` (default: everything) of the trained model and all of the
-        frozen ones. A second call while asleep is a logged no-op."""
-        chosen = _parts(parts)
-        if self._asleep:
-            log.info("%s.sleep() while already asleep: nothing to do", self._name)
+        """Offload ``parts`` (default: all) of the trained model, and all of the frozen
+        reference model. Parts already offloaded are skipped (logged no-op)."""
+        todo = parts_from(parts) - self._asleep_parts
+        if not todo:
+            log.info("%s.sleep() while already offloaded: nothing to do", self._name)
             return
+        first = not self._asleep_parts
         for model, trained in self._models():
-            model.offload(chosen if trained else ALL_PARTS)
-        self._backend.release_process_groups()
-        self._asleep = True
+            if trained:
+                model.offload(todo)
+            elif first:
+                model.offload(ALL_PARTS)
+        if first:
+            self._backend.release_process_groups()
+        self._asleep_parts = self._asleep_parts | todo
 
     def wake_up(self) -> None:
         """Bring everything back. While already resident it only re-establishes the
         process groups (a retry after a failure between wake_up and sleep)."""
-        if not self._asleep:
+        if not self._asleep_parts:
             log.info("%s.wake_up() while resident: ensuring process groups only", self._name)
             self._backend.restore_process_groups()
             return
         for model, _ in self._models():
             model.onload()
         self._backend.restore_process_groups()
-        self._asleep = False
+        self._asleep_parts = frozenset()
 
     def _require_awake(self, what: str) -> None:
-        if self._asleep:
+        if self._asleep_parts:
             raise RuntimeError(
-                f"{self._name}.{what}() called while asleep: the driver must call wake_up() first"
+                f"{self._name}.{what}() called while asleep "
+                f"({sorted(p.value for p in self._asleep_parts)} offloaded): the driver must "
+                "call wake_up() first"
             )
 
 
@@ -206,7 +214,7 @@ class ActorWorker(_Lifecycle):
         self.config = config
         self.rank = rank
         self._name = "ActorWorker"
-        self._asleep = False
+        self._asleep_parts: frozenset[Part] = frozenset()
         self._backend = get_backend(config.backend)(
             config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
         )
@@ -337,7 +345,7 @@ class ActorWorker(_Lifecycle):
         ]
         denominator = self._denominator
         results = self._policy.forward_backward(
-            mbs, loss_fn=lambda logits, mb: self._loss(logits, mb, denominator)
+            mbs, loss_fn=partial(self._loss, denominator=denominator)
         )
         chunk = {k: sum(r[k] for r in results) for k in results[0]}
         self._sums["tokens"] += tokens
@@ -508,7 +516,7 @@ class CriticWorker(_Lifecycle):
         self.config = config
         self.rank = rank
         self._name = "CriticWorker"
-        self._asleep = False
+        self._asleep_parts: frozenset[Part] = frozenset()
         self._backend = get_backend(config.backend)(
             config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
         )
@@ -602,7 +610,7 @@ class CriticWorker(_Lifecycle):
                     if bool(mb["loss_mask"].any())
                 ]
                 results = self._critic.forward_backward(
-                    mbs, loss_fn=lambda v, mb, d=denominator: self._loss(v, mb, d)
+                    mbs, loss_fn=partial(self._loss, denominator=denominator)
                 )
                 v_loss, clip = self._backend.all_reduce_sum(
                     [sum(r["v_loss"] for r in results), sum(r["clipfrac"] for r in results)]
