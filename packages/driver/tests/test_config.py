@@ -77,6 +77,7 @@ FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: 
         pytest.param(["ppo.num_prompt_per_step=8"], "ppo.num_prompt_per_step", "num_prompts_per_step", id="typo"),
         pytest.param(["ppo.critic_ppo_epochs=two"], "ppo.critic_ppo_epochs", "int", id="wrong-type"),
         pytest.param(["ppo.loss_agg=mean"], "ppo.loss_agg", "token or sample", id="loss-agg"),
+        pytest.param(["ppo.loss_agg=token"], "ppo.loss_agg", "loss_agg=sample", id="streaming-token-agg"),
         pytest.param(["oops"], "oops", "section.key=value", id="bad-override"),
     ],
 )

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,12 +76,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in report.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    from ppo_driver.pump import train
+    from ppo_driver.pump import InjectedFailure
+    from ppo_driver.run import train
 
     run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
     if args.no_progress:
         cfg.run.progress = False
-    result = train(cfg, run_dir=run_dir, resume=args.resume)
+    try:
+        result = train(cfg, run_dir=run_dir, resume=args.resume)
+    except InjectedFailure as exc:  # a crash drill: die like a killed process, no clean-up
+        print(f"ppo-driver: {exc}", file=sys.stderr, flush=True)
+        os._exit(3)
     return 0 if result.completed_steps >= cfg.run.num_steps else 1
 
 

@@ -85,7 +85,7 @@ class PPOConfig:
     kl_loss_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    loss_agg: str = "token"
+    loss_agg: str = "sample"
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
 
 
@@ -566,6 +566,17 @@ def validate(cfg: DriverConfig) -> ValidationReport:
                     arl.sampler.name,
                     f"{why}; streaming needs an in_order or ready_first sampler",
                     "set async_rl.sampler.name=in_order (or ready_first)",
+                )
+            )
+        if ppo.loss_agg == "token":
+            r.errors.append(
+                ConfigProblem(
+                    "ppo.loss_agg",
+                    ppo.loss_agg,
+                    f"{why}; token aggregation divides every chunk's loss by the WHOLE step's "
+                    "valid-token count, which is unknown until the last group finishes generating",
+                    "set ppo.loss_agg=sample (the step's sample count is known up front), "
+                    f"or async_rl.min_groups_for_streaming_train={batch} for full-batch mode",
                 )
             )
         streaming_layout_problem = _streaming_layout_problem(cfg)

@@ -68,7 +68,7 @@ def format_step_line(record: Mapping[str, Any]) -> str:
         ("reward", "rollout/reward_mean"),
         ("kl", "actor/approx_kl"),
         ("clipfrac", "actor/clipfrac"),
-        ("v_loss", "critic/v_loss"),
+        ("v_loss", "loss/value"),
         ("chunks", "train/chunks"),
         ("step_s", "perf/step_s"),
         ("wait_s", "perf/wait_s"),

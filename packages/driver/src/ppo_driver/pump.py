@@ -1,0 +1,530 @@
+"""The train pump: one PPO step at a time, streaming chunks as generation finishes them.
+
+Reads top to bottom like the schedule in DESIGN.md (``run_step``). The pump owns the
+plan: which model is resident when (``_Residency``), when to refit, when a checkpoint may
+be taken. The workers own the mechanism (``sleep``/``wake_up``, backward, updates).
+
+Log lines (the document's way to verify chunking), for every chunk and every step::
+
+    train_pump: step <S> chunk <K>: <G> groups, <N> samples
+    train_pump: step <S> closing on <K> chunk(s)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ppo_driver.config import DriverConfig
+from ppo_driver.trace import TraceRecorder
+
+__all__ = [
+    "ChunkGate",
+    "InjectedFailure",
+    "RolloutLink",
+    "StepReport",
+    "TrainPump",
+    "assemble_full_batch",
+    "step_prompt_indices",
+]
+
+log = logging.getLogger("ppo_driver.pump")
+
+
+class InjectedFailure(RuntimeError):
+    """Raised at a named point when a test asks the pump to crash there."""
+
+
+# ------------------------------------------------------------------- pure helpers
+
+
+def step_prompt_indices(step: int, *, batch: int) -> range:
+    """The global prompt indices (= group ids) of step ``step``: fixed, so a resumed run
+    dispatches exactly the prompts it had not finished, nothing twice."""
+    return range(step * batch, (step + 1) * batch)
+
+
+class ChunkGate:
+    """The pump's selection logic over the real sampler (no Ray, no tensors).
+
+    ``offer`` hands it finished groups; ``take`` claims the next chunk of the current
+    step (``[]``: wait). Tail-aware deferral, alignment and eligibility are the
+    sampler's (``ppo_sampler``); the gate tracks what this step still needs.
+    """
+
+    def __init__(self, sampler: Any, *, batch: int, min_groups: int, alignment: int) -> None:
+        self.sampler = sampler
+        self.batch = batch
+        self.min_groups = min_groups
+        self.alignment = alignment
+        self.step = 0
+        self.claimed_this_step: list[int] = []
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.claimed_this_step = []
+
+    @property
+    def remaining(self) -> int:
+        return self.batch - len(self.claimed_this_step)
+
+    def take(self, *, trainer_version: int) -> list[int]:
+        if self.remaining == 0:
+            return []
+        ids = [
+            int(g)
+            for g in self.sampler.select(
+                trainer_step=self.step,
+                trainer_version=trainer_version,
+                remaining=self.remaining,
+                min_groups=self.min_groups,
+                alignment=self.alignment,
+            )
+        ]
+        self.claimed_this_step.extend(ids)
+        return ids
+
+    def finish_step(self) -> list[int]:
+        """This step's groups, to release after both updates."""
+        ids = self.claimed_this_step
+        self.claimed_this_step = []
+        return ids
+
+
+def _pad_to(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    if t.dim() < 2 or t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
+    return torch.cat([t, pad], dim=1)
+
+
+def assemble_full_batch(
+    chunks: Sequence[dict[str, torch.Tensor]], *, pad_id: int, order_key: str = "prompt_indices"
+) -> dict[str, torch.Tensor]:
+    """Concatenate chunk tensors (``[b_k, T_k]`` -> ``[B, T]``, right padded) and sort the
+    rows by ``order_key`` so the assembled batch does not depend on chunk boundaries."""
+    width = max(int(c["input_ids"].shape[1]) for c in chunks)
+    keys = list(chunks[0])
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        fill = float(pad_id) if key == "input_ids" else 0.0
+        out[key] = torch.cat([_pad_to(c[key], width, fill) for c in chunks], dim=0)
+    order = torch.argsort(out[order_key], stable=True)
+    return {k: v[order] for k, v in out.items()}
+
+
+# ------------------------------------------------------------------- rollout side
+
+
+class RolloutLink(Protocol):
+    """What the pump needs from the rollout manager (``ppo_driver.rollout.RolloutManager``)."""
+
+    def pump(self, *, trainer_step: int, timeout_s: float = 0.0) -> list[int]:
+        """Dispatch what the sampler admits, wait up to ``timeout_s``, file finished
+        groups (replay buffer + ``sampler.add``); returns the ids that became ready."""
+        ...
+
+    def claim(self, group_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Claim selected groups in the replay buffer and build their ``[B, T]`` batch."""
+        ...
+
+    def release(self, group_ids: Iterable[int]) -> None:
+        """After both updates: drop the rows and ``sampler.mark_consumed``."""
+        ...
+
+
+class GenerationControl(Protocol):
+    """The engines as the plan sees them: weights and device sharing."""
+
+    def refit(self, *, version: int) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+# ------------------------------------------------------------------- residency plan
+
+
+class _Residency:
+    """Which model holds the training devices, driven by ``ppo_lifecycle.plan_transitions``.
+
+    Before each phase the pump asks the lifecycle plan for the transitions that phase
+    needs (none when the right model is already resident: no redundant switch, also
+    across empty selections) and executes them on the worker groups; every switch is
+    traced. The actor sleeps keeping its gradients while it holds un-applied ones.
+    """
+
+    def __init__(self, actor: Any, critic: Any, trace: TraceRecorder) -> None:
+        from ppo_lifecycle import Role
+
+        self.groups = {Role.ACTOR: actor, Role.CRITIC: critic}
+        self.trace = trace
+        self.resident: Any = None
+        self.pending_gradients = False
+        self.switches = 0
+
+    def start(self) -> None:
+        """Both models come up resident: put the actor fully to sleep, the critic first."""
+        from ppo_lifecycle import ALL_PARTS, Role
+
+        self.groups[Role.ACTOR].call("sleep", parts=ALL_PARTS)
+        self.groups[Role.CRITIC].call("wake_up")
+        self.resident = Role.CRITIC
+
+    def prepare(self, *phases: Any, step: int) -> None:
+        """Execute the transitions the lifecycle plan puts before ``phases`` (only the
+        first phase's work follows; later phases only say what a WAIT prepares for)."""
+        from ppo_lifecycle import Action, Phase, Transition, Work, plan_transitions
+
+        plan = plan_transitions(
+            list(phases), resident=self.resident, pending_gradients=self.pending_gradients, end_resident=None
+        )
+        for item in plan:
+            if isinstance(item, Work):
+                break
+            assert isinstance(item, Transition)
+            group = self.groups[item.role]
+            with self.trace.span(f"{item}", phase="switch", step=step):
+                if item.action is Action.SLEEP:
+                    group.call("sleep", parts=item.parts)
+                else:
+                    group.call("wake_up")
+                    self.resident = item.role
+                    self.switches += 1
+        if phases[0] is Phase.POLICY_BACKWARD:
+            self.pending_gradients = True
+        elif phases[0] is Phase.POLICY_UPDATE:
+            self.pending_gradients = False
+
+    def save_both(self, save: Callable[[str], None], *, step: int) -> None:
+        """Checkpoint both models in the plan's order (resident one first), ending with
+        the critic resident. Refused by the plan inside an update."""
+        from ppo_lifecycle import Action, Phase, Role, Transition, Work, plan_transitions
+
+        plan = plan_transitions(
+            [Phase.CHECKPOINT_SAVE],
+            resident=self.resident,
+            pending_gradients=self.pending_gradients,
+            end_resident=Role.CRITIC,
+        )
+        for item in plan:
+            if isinstance(item, Work):
+                assert item.role is not None
+                save(str(item.role))
+                continue
+            assert isinstance(item, Transition)
+            with self.trace.span(f"{item}", phase="switch", step=step):
+                if item.action is Action.SLEEP:
+                    self.groups[item.role].call("sleep", parts=item.parts)
+                else:
+                    self.groups[item.role].call("wake_up")
+                    self.resident = item.role
+                    self.switches += 1
+
+
+# ------------------------------------------------------------------- the pump
+
+
+@dataclass
+class StepReport:
+    step: int
+    chunk_groups: list[int]
+    group_ids: list[int]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainPump:
+    """Drives the actor group, the critic group and the rollout side through PPO steps."""
+
+    def __init__(
+        self,
+        cfg: DriverConfig,
+        *,
+        actor: Any,
+        critic: Any,
+        rollout: RolloutLink,
+        generation: GenerationControl,
+        sampler: Any,
+        alignment: int,
+        pad_id: int,
+        trace: TraceRecorder,
+        gae: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        whiten: Callable[..., torch.Tensor],
+        completed_steps: int = 0,
+        weight_version: int = 0,
+        fail_at: str | None = None,
+        step_of: Callable[[int], int] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.actor, self.critic = actor, critic
+        self.rollout, self.generation = rollout, generation
+        self.gate = ChunkGate(sampler, batch=cfg.batch_groups, min_groups=cfg.min_groups, alignment=alignment)
+        self.pad_id = pad_id
+        self.trace = trace
+        self.gae, self.whiten = gae, whiten
+        self.residency = _Residency(actor, critic, trace)
+        self.completed_steps = completed_steps
+        self.weight_version = weight_version
+        self.fail_at = fail_at
+        self.in_update = False
+        self._gen_window: dict[int, list[float]] = {}  # step -> [first poll, last arrival]
+        self._step_of: Callable[[int], int] = step_of or (lambda gid: gid // cfg.batch_groups)
+
+    # ---------------------------------------------------------------- generation feed
+    def feed_generation(self, timeout_s: float = 0.0) -> int:
+        """Let the rollout manager dispatch (lookahead-bounded) and file finished groups."""
+        now = time.perf_counter()
+        self._gen_window.setdefault(self.completed_steps, [now, now])
+        ready = self.rollout.pump(trainer_step=self.completed_steps, timeout_s=timeout_s)
+        now = time.perf_counter()
+        for gid in ready:
+            window = self._gen_window.setdefault(self._step_of(int(gid)), [now, now])
+            window[1] = now
+        return len(ready)
+
+    def _wait_for_chunk(self, step: int) -> tuple[list[int], float]:
+        """Block until the sampler releases a chunk of ``step``; returns (ids, seconds waited)."""
+        start = time.perf_counter()
+        self.feed_generation()
+        while True:
+            ids = self.gate.take(trainer_version=self.weight_version)
+            if ids:
+                end = time.perf_counter()
+                if end - start > 1e-3:
+                    self.trace.add("wait", start_s=start, end_s=end, step=step, phase="wait")
+                return ids, end - start
+            self.feed_generation(timeout_s=max(self.cfg.async_rl.poll_interval_s, 0.001) * 25)
+
+    def _maybe_fail(self, point: str, step: int) -> None:
+        if self.fail_at == f"{step}:{point}":
+            raise InjectedFailure(f"injected failure at step {step}: {point}")
+
+    # ---------------------------------------------------------------- one step
+    def run_step(self) -> StepReport:
+        from ppo_lifecycle import Phase
+
+        cfg, ppo = self.cfg, self.cfg.ppo
+        step = self.completed_steps
+        warmup = step < ppo.critic_warmup_steps  # critic warm-up: no policy work at all
+        colocated_full_batch = cfg.cluster.colocate and not cfg.streaming
+        full_batch_epochs = not cfg.streaming and ppo.ppo_epochs > 1
+        t_step = time.perf_counter()
+        self.trace.take_step_totals()
+        self.gate.begin_step(step)
+        self.feed_generation()
+
+        chunks: list[dict[str, torch.Tensor]] = []
+        chunk_groups: list[int] = []
+        actor_metrics: list[dict[str, float]] = []
+        waited = 0.0
+        denominator = 0.0
+        # The value model is prepared before waiting for the first chunk.
+        self.residency.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=step)
+        while self.gate.remaining > 0:
+            ids, w = self._wait_for_chunk(step)
+            waited += w
+            self.in_update = True  # checkpoint exclusion covers the whole update
+            batch = self.rollout.claim(ids)
+            if not chunks:
+                denominator = self._loss_denominator(batch, whole_step=len(ids) == cfg.batch_groups)
+            k = len(chunks) + 1
+            log.info("train_pump: step %d chunk %d: %d groups, %d samples", step, k, len(ids), batch["input_ids"].shape[0])
+            with self.trace.span(f"chunk {k}", step=step, phase="chunk", args={"groups": len(ids)}):
+                # critic: value forward with the UNCHANGED critic -> old values for every critic epoch
+                self.residency.prepare(Phase.VALUE_FORWARD, step=step)
+                with self.trace.span("value forward", step=step, phase="value"):
+                    batch["old_values"] = self.critic.gather_rows("compute_values", _model_inputs(batch))
+                # GAE per sample -> advantages, frozen returns; advantages normalised per chunk
+                advantages, returns = self.gae(
+                    rewards=batch["rewards"],
+                    values=batch["old_values"],
+                    mask=batch["loss_mask"],
+                    gamma=ppo.adv_estimator.gamma,
+                    lam=ppo.adv_estimator.lam,
+                )
+                if ppo.adv_estimator.normalize_advantages:
+                    advantages = self.whiten(values=advantages, mask=batch["loss_mask"])
+                batch["advantages"], batch["returns"] = advantages, returns
+                if not warmup:
+                    # actor: log-prob (+ reference) forward
+                    self.residency.prepare(Phase.POLICY_FORWARD, step=step)
+                    with self.trace.span("logprob forward", step=step, phase="logprob"):
+                        batch["old_logprobs"] = self.actor.gather_rows("compute_logprobs", _model_inputs(batch))
+                        if ppo.kl_loss_coef > 0:
+                            batch["ref_logprobs"] = self.actor.gather_rows("compute_ref_logprobs", _model_inputs(batch))
+                    # actor: backward scaled by the WHOLE step's count; no optimizer step
+                    if not full_batch_epochs:
+                        self.residency.prepare(Phase.POLICY_BACKWARD, step=step)
+                        with self.trace.span("policy backward", step=step, phase="backward"):
+                            actor_metrics.append(self._backward(batch, denominator))
+            chunks.append(batch)
+            chunk_groups.append(len(ids))
+            if self.gate.remaining > 0:
+                # prepare the value model before waiting; it stays across empty selections
+                self.residency.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=step)
+        log.info("train_pump: step %d closing on %d chunk(s)", step, len(chunks))
+        self._maybe_fail("after_chunks", step)
+
+        full = assemble_full_batch(chunks, pad_id=self.pad_id)
+        assert int(full["input_ids"].shape[0]) == cfg.samples_per_step, "samples dropped or duplicated"
+        assert len(set(full["prompt_indices"].tolist())) == cfg.batch_groups, "a group was dropped or duplicated"
+
+        # actor: ONE optimizer + scheduler update (full-batch mode: one per policy epoch)
+        update_metrics: dict[str, float] = {}
+        refit_s = 0.0
+        if not warmup:
+            if full_batch_epochs:
+                for _ in range(ppo.ppo_epochs):
+                    self.residency.prepare(Phase.POLICY_BACKWARD, step=step)
+                    with self.trace.span("policy backward", step=step, phase="backward"):
+                        actor_metrics.append(self._backward(full, denominator))
+                    self.residency.prepare(Phase.POLICY_UPDATE, step=step)
+                    with self.trace.span("policy update", step=step, phase="update"):
+                        update_metrics = self.actor.call("finish_step")[0]
+            else:
+                self.residency.prepare(Phase.POLICY_UPDATE, step=step)
+                with self.trace.span("policy update", step=step, phase="update"):
+                    update_metrics = self.actor.call("finish_step")[0]
+            self._maybe_fail("after_policy_update", step)
+            if not colocated_full_batch:
+                self.residency.prepare(Phase.REFIT, step=step)
+                refit_s = self._refit(step)  # early refit: before critic training
+        # critic: critic_ppo_epochs epochs over the assembled FULL batch, frozen returns/old values
+        if colocated_full_batch:
+            self.generation.pause()  # generation shares the devices: paused during critic training
+        self.residency.prepare(Phase.CRITIC_TRAIN, step=step)
+        self._maybe_fail("before_critic", step)
+        with self.trace.span("critic training", step=step, phase="critic"):
+            critic_metrics = self._critic_train(full)
+        if colocated_full_batch:
+            if not warmup:
+                self.residency.prepare(Phase.REFIT, step=step)
+                refit_s = self._refit(step)  # refit follows critic training
+            self.generation.resume()
+        # release consumed replay rows, then advance the completed-step counter
+        ids = self.gate.finish_step()
+        self.rollout.release(ids)
+        self.completed_steps += 1
+        self.in_update = False
+        self._maybe_fail("after_step", step)
+
+        step_s = time.perf_counter() - t_step
+        totals = self.trace.take_step_totals()
+        self._trace_generation(step)
+        metrics = self._step_metrics(
+            step, full, chunk_groups, actor_metrics, update_metrics, critic_metrics, totals, step_s, waited, refit_s
+        )
+        return StepReport(step=step, chunk_groups=chunk_groups, group_ids=sorted(ids), metrics=metrics)
+
+    # ---------------------------------------------------------------- pieces
+    def _loss_denominator(self, first_chunk: dict[str, torch.Tensor], *, whole_step: bool) -> float:
+        """The WHOLE step's count, needed by the first chunk's backward.
+
+        ``sample``: the step's sample count, known before generation ends. ``token``: the
+        valid-token count, known only when the first chunk is the whole step (full-batch
+        mode; config validation rejects token aggregation with streaming).
+        """
+        if self.cfg.ppo.loss_agg == "sample":
+            return float(self.cfg.samples_per_step)
+        if not whole_step:
+            raise ValueError(
+                "ppo.loss_agg=token needs the whole step's valid-token count before the first "
+                "chunk's backward, which streaming cannot know; use ppo.loss_agg=sample"
+            )
+        return float(first_chunk["loss_mask"].sum().item())
+
+    def _backward(self, batch: dict[str, torch.Tensor], denominator: float) -> dict[str, float]:
+        kwargs: dict[str, Any] = {
+            "old_logprobs": batch["old_logprobs"],
+            "advantages": batch["advantages"],
+            "loss_denominator": denominator,
+        }
+        if "ref_logprobs" in batch:
+            kwargs["ref_logprobs"] = batch["ref_logprobs"]
+        per_rank = self.actor.call_sharded("backward", _model_inputs(batch), **kwargs)
+        return _sum_dicts(per_rank)
+
+    def _critic_train(self, full: dict[str, torch.Tensor]) -> dict[str, float]:
+        per_rank = self.critic.call_sharded(
+            "train",
+            _model_inputs(full),
+            returns=full["returns"],
+            old_values=full["old_values"],
+            epochs=self.cfg.ppo.critic_ppo_epochs,
+            mini_batch_size=max(1, self.cfg.ppo.critic_mini_batch_size // self.critic.world_size),
+        )
+        return _mean_dicts(per_rank)
+
+    def _refit(self, step: int) -> float:
+        start = time.perf_counter()
+        with self.trace.span("refit", step=step, phase="refit"):
+            self.generation.refit(version=self.weight_version + 1)
+        self.weight_version += 1
+        return time.perf_counter() - start
+
+    def _trace_generation(self, step: int) -> None:
+        window = self._gen_window.pop(step, None)
+        if window is not None:
+            self.trace.add(
+                f"generation step {step}", start_s=window[0], end_s=window[1], track="generation", step=step, phase="generation"
+            )
+
+    def _step_metrics(
+        self,
+        step: int,
+        full: dict[str, torch.Tensor],
+        chunk_groups: list[int],
+        actor_metrics: list[dict[str, float]],
+        update_metrics: dict[str, float],
+        critic_metrics: dict[str, float],
+        totals: dict[str, float],
+        step_s: float,
+        waited: float,
+        refit_s: float,
+    ) -> dict[str, Any]:
+        mask = full["loss_mask"]
+        out: dict[str, Any] = {
+            "step": step,
+            "weight_version": self.weight_version,
+            "rollout/reward_mean": float(full["sample_rewards"].mean()),
+            "rollout/reward_max": float(full["sample_rewards"].max()),
+            "rollout/response_len_mean": float(mask.sum(dim=1).mean()),
+            "train/chunks": len(chunk_groups),
+            "train/chunk_groups": chunk_groups,
+            "train/switches": self.residency.switches,
+            "perf/step_s": step_s,
+            "perf/wait_s": waited,
+            "perf/idle_frac": waited / step_s if step_s > 0 else 0.0,
+            "perf/refit_s": refit_s,
+        }
+        for phase, seconds in totals.items():
+            out.setdefault(f"perf/{phase}_s", seconds)
+        del actor_metrics  # per-chunk numbers; the update reports the step's totals
+        out.update(update_metrics)
+        out.update(critic_metrics)
+        return out
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+
+
+def _sum_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            if isinstance(v, int | float) and math.isfinite(float(v)):
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def _mean_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    summed = _sum_dicts(rows)
+    return {k: v / max(1, len(rows)) for k, v in summed.items()}

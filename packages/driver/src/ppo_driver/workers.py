@@ -1,0 +1,132 @@
+"""Ray shells around the trainer workers: one Ray actor per data-parallel rank.
+
+A :class:`TrainGroup` owns a real boundary (one process per rank, placed on a bundle of
+the shared placement group): the actor's rank ``r`` and the critic's rank ``r`` run on
+the SAME bundle (same device), each asking for a fraction of it. The group shards a
+batch over its ranks, calls one method on every rank and gathers the results. It
+decides nothing: when to sleep, wake, save or refit is the pump's plan.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+__all__ = ["TrainGroup", "free_port", "shard_rows"]
+
+_WORKER_ENV = {
+    # One compute thread per worker process: actor, critic and engines share few cores.
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def shard_rows(rows: int, world_size: int) -> list[slice]:
+    """Contiguous, equal row ranges per rank (``rows`` must divide evenly: alignment)."""
+    if rows % world_size:
+        raise ValueError(
+            f"{rows} samples do not split over {world_size} data-parallel ranks; "
+            "the group alignment (ppo_sampler.group_alignment) must make chunks divisible"
+        )
+    per = rows // world_size
+    return [slice(r * per, (r + 1) * per) for r in range(world_size)]
+
+
+def _slice_tree(value: Any, rows: slice) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[rows].contiguous()
+    if isinstance(value, Mapping):
+        return {k: _slice_tree(v, rows) for k, v in value.items()}
+    return value
+
+
+class _Host:
+    """The per-rank Ray actor body: builds the trainer worker and forwards calls."""
+
+    def __init__(self, worker_cls: type, config: Any, rank: int, world_size: int, init: str | None) -> None:
+        torch.set_num_threads(1)
+        self.worker = worker_cls(config, rank=rank, world_size=world_size, dist_init_method=init)
+
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def attr(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+    def export_weights(self) -> Any:
+        """Used by the rollout refitter through ``__ray_call__`` on rank 0."""
+        return self.worker.export_weights()
+
+
+class TrainGroup:
+    """The ranks of one model (``role`` is ``"actor"`` or ``"critic"``)."""
+
+    def __init__(
+        self,
+        role: str,
+        worker_cls: type,
+        config: Any,
+        *,
+        strategies: Sequence[Any],
+        num_gpus_per_rank: float,
+        num_cpus_per_rank: float = 0.0,
+    ) -> None:
+        self.role = role
+        self.world_size = len(strategies)
+        init = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
+        remote_cls = ray.remote(_Host)
+        self.handles = [
+            remote_cls.options(  # type: ignore[attr-defined]
+                name=None,
+                num_cpus=num_cpus_per_rank,
+                num_gpus=num_gpus_per_rank,
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": dict(_WORKER_ENV)},
+                max_concurrency=1,
+            ).remote(worker_cls, config, rank, self.world_size, init)
+            for rank, strategy in enumerate(strategies)
+        ]
+
+    def ready(self) -> None:
+        """Block until every rank has built its worker (surfaces construction errors)."""
+        ray.get([h.attr.remote("is_asleep") for h in self.handles])
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same call on every rank; results in rank order."""
+        return list(ray.get([h.call.remote(method, args, kwargs) for h in self.handles]))
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return ray.get(self.handles[0].call.remote(method, args, kwargs))
+
+    def call_sharded(self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any) -> list[Any]:
+        """Shard ``batch`` and every tensor (or dict of tensors) in ``per_sample`` by rows."""
+        rows = int(next(iter(batch.values())).shape[0])
+        shards = shard_rows(rows, self.world_size)
+        refs = []
+        for handle, rows_r in zip(self.handles, shards, strict=True):
+            kw = {k: _slice_tree(v, rows_r) for k, v in per_sample.items()}
+            refs.append(handle.call.remote(method, (_slice_tree(batch, rows_r),), kw))
+        return list(ray.get(refs))
+
+    def gather_rows(self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any) -> torch.Tensor:
+        """A sharded call whose per-rank results are ``[B_r, T]`` tensors, concatenated."""
+        return torch.cat(self.call_sharded(method, batch, **per_sample), dim=0)
+
+    def is_asleep(self) -> bool:
+        return bool(ray.get(self.handles[0].attr.remote("is_asleep")))
+
+    def kill(self) -> None:
+        for handle in self.handles:
+            ray.kill(handle)
+        self.handles = []
