@@ -7,6 +7,7 @@ Public API (see the package README and docs/interfaces.md):
   ``masked_whiten``, ``aggregate_loss``, ``check_reward_kl``;
 * configs: ``ModelSpec``, ``ActorConfig``, ``CriticConfig``;
 * workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``;
+* Hugging Face models: ``build_causal_lm``, ``build_value_model``, ``save_hf_checkpoint``;
 * backends: ``get_backend``, ``register_backend``, ``available_backends``,
   ``backend_importable`` and the ``Backend`` / ``TrainModel`` / ``FrozenModel`` protocols.
 """
@@ -46,6 +47,7 @@ from ppo_trainer._math import (
     value_loss,
 )
 from ppo_trainer._parts import ALL_PARTS, KEEP_GRADIENTS, Part
+from ppo_trainer._torch_backend import build_causal_lm, build_value_model, save_hf_checkpoint
 from ppo_trainer._workers import ActorWorker, CriticWorker, EmptyStepError, loss_denominator
 
 __version__ = "0.1.0"
@@ -73,6 +75,8 @@ __all__ = [
     "aggregate_loss",
     "available_backends",
     "backend_importable",
+    "build_causal_lm",
+    "build_value_model",
     "check_reward_kl",
     "entropy_from_logits",
     "gae",
@@ -86,5 +90,6 @@ __all__ = [
     "masked_whiten",
     "policy_loss",
     "register_backend",
+    "save_hf_checkpoint",
     "value_loss",
 ]

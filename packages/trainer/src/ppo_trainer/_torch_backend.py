@@ -12,8 +12,10 @@ Models stay in eval mode (no dropout), so chunked and full-batch runs agree.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ __all__ = [
     "build_value_model",
     "create_backend",
     "resolve_device",
+    "save_hf_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,41 @@ def build_value_model(spec: ModelSpec, *, device: torch.device | str = "cpu") ->
     model.config.use_cache = False
     module: nn.Module = model
     return module.to(device).eval()
+
+
+def save_hf_checkpoint(
+    *,
+    weights: Mapping[str, torch.Tensor],
+    spec: ModelSpec,
+    path: str | os.PathLike[str],
+    role: str = "policy",
+) -> Path:
+    """Write ``weights`` (``export_weights()`` of a worker) as a Hugging Face directory.
+
+    ``config.json`` (from ``spec``, or copied from ``spec.path``) plus
+    ``model.safetensors``; ``role="critic"`` writes a token-classification config with
+    ``num_labels=1``. The result loads with ``ModelSpec(path=...)`` or transformers'
+    ``from_pretrained(..., use_safetensors=True)``.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    if role not in ("policy", "critic"):
+        raise ValueError(f"role={role!r} is invalid: use 'policy' or 'critic'")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(spec.path) if spec.path is not None else _hf_config(spec)
+    config.torch_dtype = spec.dtype
+    if role == "critic":
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+        config.architectures = [type(config).__name__.replace("Config", "ForTokenClassification")]
+    else:
+        config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.save_pretrained(out)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 class TorchFrozenModel:
