@@ -137,9 +137,13 @@ def test_add_validates(kwargs: dict[str, Any], message: str) -> None:
         InOrderSampler().add(args.pop("group_id"), **args)
 
 
-def test_select_validates_through_plan_chunk() -> None:
+def test_select_validates_before_changing_state() -> None:
+    sampler = ReadyFirstSampler(max_staleness_versions=0, evict_stale=True)
+    _fill(sampler, range(4), version=0)
     with pytest.raises(ValueError, match="remaining=0"):
-        InOrderSampler().select(trainer_step=0, trainer_version=0, remaining=0, min_groups=1)
+        sampler.select(trainer_step=0, trainer_version=3, remaining=0, min_groups=1)
+    assert sampler.pop_evicted() == []  # no eviction happened
+    assert sampler.state_dict()["trainer_version"] is None
     with pytest.raises(ValueError, match="trainer_step=-1"):
         InOrderSampler().select(trainer_step=-1, trainer_version=0, remaining=4, min_groups=1)
 

@@ -187,10 +187,11 @@ class _SamplerBase:
         fn = f"{self.name}.select"
         _require_int(fn, "trainer_step", trainer_step, minimum=0, why="the step being trained")
         _require_int(fn, "trainer_version", trainer_version, minimum=0, why="policy version")
+        ready = self._eligible_count(trainer_step, trainer_version)
+        # plan first: a bad argument raises before any state changes
+        n = plan_chunk(ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment)
         self._trainer_step, self._trainer_version = trainer_step, trainer_version
         self._before_select(trainer_version)
-        ready = self._eligible_count(trainer_step, trainer_version)
-        n = plan_chunk(ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment)
         if n == 0:
             return []
         return self._claim(trainer_step, trainer_version, n)
