@@ -38,7 +38,9 @@ def batch(seed: int, device: str = "cpu") -> torch.Tensor:
 
 def loss_fn(model: TinyLM, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
 
 
 def train_step(model: TinyLM, opt: torch.optim.Optimizer, seed: int) -> None:
@@ -64,4 +66,6 @@ def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype, key
-        assert torch.equal(a[key].reshape(-1).view(torch.uint8), b[key].reshape(-1).view(torch.uint8)), key
+        assert torch.equal(
+            a[key].reshape(-1).view(torch.uint8), b[key].reshape(-1).view(torch.uint8)
+        ), key

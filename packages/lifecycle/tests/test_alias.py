@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lifecycle_models import make, snapshot, assert_bit_exact, train_step
-
+from lifecycle_models import assert_bit_exact, make, snapshot, train_step
 from ppo_lifecycle import (
     ALL_PARTS,
     KEEP_GRADIENTS,

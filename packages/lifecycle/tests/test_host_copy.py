@@ -6,16 +6,6 @@ import logging
 
 import pytest
 import torch
-
-from ppo_lifecycle import (
-    ALL_PARTS,
-    KEEP_GRADIENTS,
-    HostCopyBackend,
-    Offloadable,
-    OffloadManager,
-    Part,
-)
-
 from lifecycle_models import (
     TinyLM,
     assert_bit_exact,
@@ -24,6 +14,14 @@ from lifecycle_models import (
     make,
     snapshot,
     train_step,
+)
+from ppo_lifecycle import (
+    ALL_PARTS,
+    KEEP_GRADIENTS,
+    HostCopyBackend,
+    Offloadable,
+    OffloadManager,
+    Part,
 )
 
 
@@ -98,7 +96,7 @@ def test_keep_gradients_sleep_keeps_accumulated_gradients() -> None:
     manager.wake_up()
     # Accumulate one more chunk on top: the sum is what a resident model would get.
     loss_fn(model, batch(3)).backward()
-    reference, ref_opt = _trained()
+    reference, _ = _trained()
     loss_fn(reference, batch(3)).backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
@@ -223,3 +221,28 @@ def test_new_optimizer_state_is_found_at_each_sleep() -> None:
     )
     manager.wake_up()
     assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_rehome_keeps_tensor_objects_and_training_exact() -> None:
+    """The memory-saver backend's move into a region, exercised on CPU storage."""
+    from ppo_lifecycle._backends import rehome
+    from ppo_lifecycle._tensors import collect_groups
+
+    model, opt = _trained()
+    plain, plain_opt = _trained()
+    params = list(model.parameters())
+    groups = collect_groups(list(Part), model, opt, torch.device("cpu"))
+    for part_groups in groups.values():
+        for group in part_groups:
+            old_ptr = group.storage.data_ptr()
+            fresh = torch.empty(group.nbytes, dtype=torch.uint8).untyped_storage()
+            rehome(group, fresh)
+            assert all(t.untyped_storage().data_ptr() != old_ptr for t in group.tensors)
+    assert list(model.parameters()) == params
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert_bit_exact(snapshot(plain, plain_opt), snapshot(model, opt))
+    for m, o in ((model, opt), (plain, plain_opt)):
+        o.step()
+        o.zero_grad(set_to_none=True)
+        train_step(m, o, seed=9)
+    assert_bit_exact(snapshot(plain, plain_opt), snapshot(model, opt))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -52,6 +52,20 @@ def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def rehome(group: StorageGroup, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
+    """Copy ``group``'s bytes into ``fresh`` and point every tensor of the group at it.
+
+    The tensor objects stay the same (optimizer and module references hold); views
+    of the old storage that are not in ``group.tensors`` would keep the old memory.
+    """
+    assert fresh.nbytes() == group.nbytes
+    _byte_view(fresh).copy_(_byte_view(group.storage))
+    with torch.no_grad():
+        for tensor in group.tensors:
+            tensor.set_(fresh, tensor.storage_offset(), tensor.size(), tensor.stride())
+    return fresh
 
 
 @dataclass
@@ -211,8 +225,12 @@ class TorchMemorySaverBackend:
             yield
 
     def adopt(self, part: Part, keys: set[int]) -> None:
-        """Record storages allocated inside ``part``'s region (no move needed)."""
+        """Record storage keys allocated inside ``part``'s region (no move needed)."""
         self._adopted[part].update(keys)
+
+    def adopt_tensors(self, part: Part, tensors: Iterable[torch.Tensor]) -> None:
+        """Record that ``tensors`` were allocated inside ``part``'s :meth:`region`."""
+        self.adopt(part, {t.untyped_storage()._cdata for t in tensors})
 
     def offload(self, part: Part, groups: Sequence[StorageGroup]) -> int:
         """Move storages not yet in ``part``'s region into it, then pause the tag."""
@@ -224,13 +242,7 @@ class TorchMemorySaverBackend:
                 continue
             with self.region(part):
                 fresh = torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
-            fresh.copy_(_byte_view(group.storage))
-            new_storage = fresh.untyped_storage()
-            with torch.no_grad():
-                for tensor in group.tensors:
-                    tensor.set_(
-                        new_storage, tensor.storage_offset(), tensor.size(), tensor.stride()
-                    )
+            new_storage = rehome(group, fresh.untyped_storage())
             key: int = new_storage._cdata
             self._adopted[part].add(key)
             released.append((key, group.nbytes))
