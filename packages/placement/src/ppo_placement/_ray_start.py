@@ -30,8 +30,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import ray
-
 __all__ = [
     "LocalRay",
     "RayStartError",
@@ -156,10 +154,13 @@ def start_local_ray(
     if attempts < 1:
         raise ValueError(f"attempts={attempts} must be >= 1")
 
+    # Before importing Ray: it reads some of these variables once, at import.
+    apply_local_ray_env()
+    import ray  # lazily, so that the pure layout functions never need Ray
+
     if ray.is_initialized():
         return _reuse_running(num_gpus=num_gpus, t_start=t_start)
 
-    apply_local_ray_env()
     if num_cpus is None:
         num_cpus = max(os.cpu_count() or 1, num_gpus)
     if warm_imports is None:
@@ -190,7 +191,7 @@ def start_local_ray(
                 reason += f"\n  raylet.out says:\n{raylet}"
             reasons.append(reason)
             _log.warning("Ray start failed (%s)", reason)
-            _cleanup_failed_attempt(t_attempt_boot)
+            _cleanup_failed_attempt(exc, t_attempt_boot)
             if attempt < attempts:
                 _warm_agent_imports(force=True)
                 time.sleep(1.0)
@@ -206,6 +207,8 @@ def start_local_ray(
 
 def shutdown_local_ray() -> None:
     """Disconnect from and stop the local Ray cluster; a no-op when Ray is not running."""
+    import ray
+
     if ray.is_initialized():
         ray.shutdown()
 
@@ -214,6 +217,8 @@ def shutdown_local_ray() -> None:
 
 
 def _reuse_running(*, num_gpus: int, t_start: float) -> LocalRay:
+    import ray
+
     have = float(ray.cluster_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
     if have < num_gpus:
         raise ValueError(
@@ -224,6 +229,8 @@ def _reuse_running(*, num_gpus: int, t_start: float) -> LocalRay:
 
 
 def _describe(*, started: bool, attempts: int, t_start: float) -> LocalRay:
+    import ray
+
     ctx = ray.get_runtime_context()
     node = ray._private.worker.global_worker.node
     assert node is not None, "ray.is_initialized() but the worker has no node"
@@ -322,9 +329,23 @@ def _seconds_since_boot() -> float:
         return float("inf")  # not Linux: no cleanup of leftovers
 
 
-def _cleanup_failed_attempt(since_boot_s: float) -> None:
-    """Kill this process's descendants that the failed attempt started (GCS, raylet, ...)."""
+def _cleanup_failed_attempt(exc: BaseException, since_boot_s: float) -> None:
+    """Stop what a failed ``ray.init`` left running (GCS, raylet, reaper, ...)."""
+    import ray
+    from ray._private.node import Node
+
     ray.shutdown()
+    # ray.init dropped its half-built Node; its frame in the traceback still holds it,
+    # and with it the Popen handles, so Ray itself can kill and reap the processes.
+    tb = exc.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            with contextlib.suppress(Exception):
+                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            break
+        tb = tb.tb_next
+    # Anything else this attempt started that is still our descendant.
     leftovers = _descendants_started_after(os.getpid(), since_boot_s)
     for pid in leftovers:
         with contextlib.suppress(OSError):

@@ -1,0 +1,120 @@
+"""SharedPlacement on a real one-node local Ray cluster with 4 logical GPUs (one start)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+from ppo_placement import (
+    LocalRay,
+    SharedPlacement,
+    placement_layout,
+    shutdown_local_ray,
+    start_local_ray,
+)
+from ray.util import placement_group_table
+
+Where = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[LocalRay]:
+    shutdown_local_ray()
+    info = start_local_ray(num_cpus=4, num_gpus=4, log_to_driver=False)
+    try:
+        yield info
+    finally:
+        shutdown_local_ray()
+
+
+def test_separate_rollout_actor_critic_share_bundles(local_ray: LocalRay, where: Where) -> None:
+    layout = placement_layout(actor_gpus=2, rollout_gpus=1)
+    with SharedPlacement(layout) as placement:
+        bundles = placement.bundles
+        assert [b.index for b in bundles] == [0, 1, 2]
+        assert {b.node_ip for b in bundles} == {"127.0.0.1"}
+        gpu_ids = [b.gpu_id for b in bundles]
+        assert gpu_ids == sorted(gpu_ids) and len(set(gpu_ids)) == 3
+        actor, critic, rollout = (
+            placement.actor_view(),
+            placement.critic_view(),
+            placement.rollout_view(),
+        )
+        assert len(actor) == len(critic) == 2 and len(rollout) == 1
+        for a, c in zip(actor, critic, strict=True):
+            assert (a.rank, a.bundle_index, a.gpu_id) == (c.rank, c.bundle_index, c.gpu_id)
+            assert a.num_gpus + c.num_gpus <= 1.0
+        assert rollout[0].bundle == bundles[2]
+        assert not {s.bundle_index for s in rollout} & {s.bundle_index for s in actor}
+        assert actor.node_boundaries == (range(0, 2),)
+        assert [s.local_rank for s in actor] == [0, 1]
+
+        # Actor and critic ranks alive on their shared GPUs at the same time.
+        slots = [*actor, *critic, *rollout]
+        reports = where(slots)
+        for slot, report in zip(slots, reports, strict=True):
+            assert report["gpu_ids"] == [slot.gpu_id], slot
+            assert report["node_id"] == slot.node_id
+            assert report["node_ip"] == "127.0.0.1"
+
+
+def test_colocated_rollout_shares_the_training_bundles(local_ray: LocalRay, where: Where) -> None:
+    layout = placement_layout(actor_gpus=2, rollout_gpus=1, colocate=True)
+    assert layout.num_gpus == 2
+    with SharedPlacement(layout) as placement:
+        actor, critic, rollout = (
+            placement.actor_view(),
+            placement.critic_view(),
+            placement.rollout_view(),
+        )
+        assert [s.bundle for s in rollout] == [actor[0].bundle]
+        assert actor[0].num_gpus + critic[0].num_gpus + rollout[0].num_gpus <= 1.0
+        # All three roles on bundle 0 at once: the fractional requests fit together.
+        slots = [actor[0], critic[0], rollout[0]]
+        reports = where(slots)
+        assert [r["gpu_ids"] for r in reports] == [[actor[0].gpu_id]] * 3
+
+
+def test_create_and_teardown_are_idempotent(local_ray: LocalRay) -> None:
+    placement = SharedPlacement(placement_layout(actor_gpus=4, rollout_gpus=0, train_only=True))
+    with pytest.raises(RuntimeError, match=r"call create\(\)"):
+        placement.actor_view()
+    placement.create()
+    pg = placement.placement_group
+    first = placement.bundles
+    assert placement.create() is placement  # second create: no-op
+    assert placement.placement_group is pg and placement.bundles == first
+    assert [b.gpu_id for b in first] == [0, 1, 2, 3]
+    placement.teardown()
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    assert not placement.created and placement.placement_group is None
+    placement.teardown()  # second teardown: no-op
+    # The GPUs are free again: a new group of all 4 can be created.
+    placement.create()
+    assert len(placement.bundles) == 4
+    placement.teardown()
+
+
+def test_nothing_local_reserves_nothing(local_ray: LocalRay) -> None:
+    layout = placement_layout(
+        actor_gpus=0, rollout_gpus=0, rollout_external=True, rollout_only=True
+    )
+    with SharedPlacement(layout) as placement:
+        assert placement.placement_group is None
+        assert placement.bundles == ()
+        assert len(placement.actor_view()) == len(placement.rollout_view()) == 0
+
+
+def test_too_many_bundles_time_out_and_release(local_ray: LocalRay) -> None:
+    placement = SharedPlacement(placement_layout(actor_gpus=4, rollout_gpus=2), ready_timeout_s=3)
+    with pytest.raises(TimeoutError, match=r"6 x \{'GPU': 1.0, 'CPU': 1.0\}"):
+        placement.create()
+    assert not placement.created
+    assert ray.available_resources().get("GPU", 0.0) == 4.0
+
+
+@pytest.fixture
+def where(where_actors_run: Where) -> Where:
+    return where_actors_run
