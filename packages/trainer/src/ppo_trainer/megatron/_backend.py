@@ -22,6 +22,7 @@ accumulates into its contiguous ``main_grad`` buffers; the config sets
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,9 +43,11 @@ from ppo_trainer.megatron._cpu_shim import cuda_as_cpu
 from ppo_trainer.megatron._options import MegatronOptions, parse_options
 
 with warnings.catch_warnings():
-    # megatron-core warns at import time that Transformer Engine / Apex are missing and
-    # that it falls back to torch implementations; that is the expected CPU set-up.
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*", category=UserWarning)
+    # megatron-core warns at import time that Transformer Engine / Apex are missing (it
+    # falls back to torch implementations: the expected CPU set-up) and about its own
+    # deprecated import paths; only warnings raised from megatron modules are silenced.
+    for _category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=_category, module=r"megatron\.")
     from megatron.core import parallel_state as ps  # type: ignore[import-untyped]
     from megatron.core.distributed import (  # type: ignore[import-untyped]
         DistributedDataParallel,
@@ -96,6 +99,16 @@ def transformer_engine_available() -> bool:
     except Exception:  # ImportError, or a broken CUDA build raising at import
         return False
     return True
+
+
+@contextlib.contextmanager
+def _megatron_call() -> Iterator[None]:
+    """Every call into megatron-core: the CPU shim (without CUDA) and megatron's own
+    deprecation / fallback warnings silenced (only those raised from megatron modules)."""
+    with warnings.catch_warnings(), cuda_as_cpu():
+        for category in (UserWarning, DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
+        yield
 
 
 # --- process groups ---------------------------------------------------------------------
@@ -373,26 +386,31 @@ class MegatronFrozenModel:
             results.append(store[0]["payload"] if store else None)
         return results
 
-    def _broadcast_from_last_stage(self, values: list[Any], shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    def _broadcast_from_last_stage(
+        self, values: list[Any], shapes: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return list(values)
         group = ps.get_pipeline_model_parallel_group()
         src = dist.get_global_rank(group, ps.get_pipeline_model_parallel_world_size() - 1)
         out = []
         for value, shape in zip(values, shapes, strict=True):
-            t = value if value is not None else torch.empty(shape, dtype=torch.float32, device=self.device)
+            t = (
+                value
+                if value is not None
+                else torch.empty(shape, dtype=torch.float32, device=self.device)
+            )
             t = t.to(torch.float32).contiguous()
             dist.broadcast(t, src=src, group=group)
             out.append(t)
         return out
 
     def forward(self, micro_batches: Sequence[Batch], *, fn: ForwardFn) -> list[torch.Tensor]:
-        with cuda_as_cpu(), torch.no_grad():
+        with _megatron_call(), torch.no_grad():
             self.module.eval()
             if ps.get_pipeline_model_parallel_world_size() == 1:
                 return [
-                    fn(self._output(self._module_forward(mb)), mb).detach()
-                    for mb in micro_batches
+                    fn(self._output(self._module_forward(mb)), mb).detach() for mb in micro_batches
                 ]
             zero = torch.zeros((), device=self.device)
             payloads = self._run(
@@ -409,7 +427,7 @@ class MegatronFrozenModel:
             yield _convert.global_name(name, offset=self.offset), p
 
     def export_hf(self) -> dict[str, torch.Tensor]:
-        with cuda_as_cpu(), torch.no_grad():
+        with _megatron_call(), torch.no_grad():
             full = self._gather_full()
         return {
             k: v.detach().to("cpu", copy=True).contiguous()
@@ -441,7 +459,7 @@ class MegatronFrozenModel:
         full = _convert.hf_to_megatron(state, self.layout)
         tp_rank = ps.get_tensor_model_parallel_rank()
         tp = ps.get_tensor_model_parallel_world_size()
-        with cuda_as_cpu(), torch.no_grad():
+        with _megatron_call(), torch.no_grad():
             for name, p in self._named_params():
                 if name not in full:
                     raise KeyError(f"megatron weight {name!r} has no HF source")
@@ -499,7 +517,7 @@ class MegatronTrainModel(MegatronFrozenModel):
             use_distributed_optimizer=opts.use_distributed_optimizer,
             use_megatron_fsdp=False,
         )
-        with cuda_as_cpu():
+        with _megatron_call():
             self.ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=gpt)
             self.module = self.ddp
             dtype = tconfig.params_dtype
@@ -527,7 +545,7 @@ class MegatronTrainModel(MegatronFrozenModel):
     def forward_backward(
         self, micro_batches: Sequence[Batch], *, loss_fn: LossFn
     ) -> list[dict[str, float]]:
-        with cuda_as_cpu():
+        with _megatron_call():
             self.module.train()
             if ps.get_pipeline_model_parallel_world_size() == 1:
                 metrics: list[dict[str, float]] = []
@@ -554,7 +572,7 @@ class MegatronTrainModel(MegatronFrozenModel):
         return out
 
     def all_reduce_grads(self) -> None:
-        with cuda_as_cpu():
+        with _megatron_call():
             finalize_model_grads([self.ddp])
 
     def step(self) -> dict[str, float]:
@@ -565,7 +583,7 @@ class MegatronTrainModel(MegatronFrozenModel):
             decay_steps=self.config.decay_steps,
             min_lr_ratio=self.config.min_lr_ratio,
         )
-        with cuda_as_cpu():
+        with _megatron_call():
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             ok, grad_norm, _ = self.optimizer.step()
@@ -575,12 +593,12 @@ class MegatronTrainModel(MegatronFrozenModel):
         return {"grad_norm": float(grad_norm or 0.0), "lr": lr}
 
     def zero_grad(self) -> None:
-        with cuda_as_cpu():
+        with _megatron_call():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
 
     def _after_load(self) -> None:
-        with cuda_as_cpu():
+        with _megatron_call():
             self.optimizer.reload_model_params()
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -601,7 +619,7 @@ class MegatronTrainModel(MegatronFrozenModel):
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         model = state["model"]
-        with cuda_as_cpu(), torch.no_grad():
+        with _megatron_call(), torch.no_grad():
             for name, p in self._named_params():
                 p.copy_(model[name].to(dtype=p.dtype, device=p.device))
             inners = self._inner_optimizers()
@@ -683,7 +701,7 @@ class MegatronBackend:
             )
         self.use_te = te_ok if impl == "auto" else impl == "transformer_engine"
         seed = self.opts.seed if self.opts.seed is not None else config.model.seed
-        with cuda_as_cpu():
+        with _megatron_call():
             _init_distributed(
                 rank=rank,
                 world_size=world_size,
@@ -695,14 +713,16 @@ class MegatronBackend:
         self.dp_size = ps.get_data_parallel_world_size()
 
     # -- models -------------------------------------------------------------------------
-    def _build(self, *, critic: bool) -> tuple[nn.Module, _convert.Layout, int, Any, dict[str, torch.Tensor]]:
+    def _build(
+        self, *, critic: bool
+    ) -> tuple[nn.Module, _convert.Layout, int, Any, dict[str, torch.Tensor]]:
         spec = self.config.model
         hf = build_value_model(spec) if critic else build_causal_lm(spec)
         hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
         hf_config = hf.config
         lay = _layout(hf_config, te=self.use_te, critic=critic)
         dtype = _DTYPES[spec.dtype]
-        with cuda_as_cpu():
+        with _megatron_call():
             tconfig = _transformer_config(hf_config, lay, self.opts, dtype=dtype, te=self.use_te)
             layer_spec = (
                 get_gpt_layer_with_transformer_engine_spec()
@@ -725,9 +745,7 @@ class MegatronBackend:
                 rotary_base=_rope_theta(hf_config),
             )
             if critic and post:
-                gpt.output_layer = ValueHead(
-                    lay.hidden_size, dtype=dtype, device=self.device
-                )
+                gpt.output_layer = ValueHead(lay.hidden_size, dtype=dtype, device=self.device)
             gpt.to(self.device)
             offset = get_transformer_layer_offset(tconfig)
         return gpt, lay, offset, tconfig, hf_state

@@ -1,0 +1,365 @@
+"""The megatron backend in one process (world size 1, gloo, CPU shim when no CUDA).
+
+Needs the ``megatron`` extra (``uv sync --extra megatron``); skipped without it.
+Tolerances: float32 everywhere; logits / values of megatron-core vs transformers agree to
+``atol=1e-5`` (seen: ~2e-7), gradients of chunked vs full-batch runs to ``rtol=1e-5,
+atol=1e-7``, weights after identical steps to ``atol=1e-6``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+mg = pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
+
+from ppo_trainer import (  # noqa: E402
+    KEEP_GRADIENTS,
+    ActorConfig,
+    ActorWorker,
+    CriticConfig,
+    CriticWorker,
+    ModelSpec,
+    get_backend,
+    loss_denominator,
+)
+from ppo_trainer._torch_backend import build_causal_lm, build_value_model  # noqa: E402
+from ppo_trainer.megatron import _convert  # noqa: E402
+
+SPEC = ModelSpec(seed=3)  # Qwen2: 2 layers, hidden 64, 4 heads, 2 kv heads, vocab 128
+
+
+def _batch(seed: int = 0, b: int = 4, t: int = 10) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, SPEC.vocab_size, (b, t), generator=g)
+    lengths = torch.tensor([t, t - 2, t - 1, t - 3][:b])
+    attn = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    ids = ids * attn  # right padding with pad id 0
+    loss_mask = attn.float()
+    loss_mask[:, :4] = 0.0  # prompt of 4 tokens
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+
+
+def _rows(batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    return {k: v[lo:hi] for k, v in batch.items()}
+
+
+# --- pure conversion ---------------------------------------------------------------------------
+
+
+def _random_hf(
+    lay: _convert.Layout, *, inter: int = 24, vocab: int = 16
+) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    h, d = lay.hidden_size, lay.head_dim
+    nq, nkv = lay.num_attention_heads * d, lay.num_key_value_heads * d
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    hf = {"model.embed_tokens.weight": r(vocab, h), "model.norm.weight": r(h)}
+    for i in range(lay.num_layers):
+        p = f"model.layers.{i}."
+        hf |= {
+            p + "input_layernorm.weight": r(h),
+            p + "post_attention_layernorm.weight": r(h),
+            p + "self_attn.q_proj.weight": r(nq, h),
+            p + "self_attn.k_proj.weight": r(nkv, h),
+            p + "self_attn.v_proj.weight": r(nkv, h),
+            p + "self_attn.o_proj.weight": r(h, nq),
+            p + "mlp.gate_proj.weight": r(inter, h),
+            p + "mlp.up_proj.weight": r(inter, h),
+            p + "mlp.down_proj.weight": r(h, inter),
+        }
+        if lay.qkv_bias:
+            hf |= {
+                p + "self_attn.q_proj.bias": r(nq),
+                p + "self_attn.k_proj.bias": r(nkv),
+                p + "self_attn.v_proj.bias": r(nkv),
+            }
+    if lay.critic:
+        hf |= {"score.weight": r(1, h), "score.bias": r(1)}
+    else:
+        hf["lm_head.weight"] = (
+            hf["model.embed_tokens.weight"] if lay.tie_word_embeddings else r(vocab, h)
+        )
+    return hf
+
+
+LAYOUTS = [
+    pytest.param(dict(qkv_bias=True), id="qwen2"),
+    pytest.param(dict(qkv_bias=False), id="llama"),
+    pytest.param(dict(qkv_bias=True, te_norm_names=True), id="qwen2-te-names"),
+    pytest.param(dict(qkv_bias=False, tie_word_embeddings=True), id="llama-tied"),
+    pytest.param(dict(qkv_bias=True, critic=True), id="critic"),
+]
+
+
+@pytest.mark.parametrize("extra", LAYOUTS)
+def test_hf_megatron_hf_round_trip_is_exact(extra: dict[str, bool]) -> None:
+    lay = _convert.Layout(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, **extra
+    )
+    hf = _random_hf(lay)
+    meg = _convert.hf_to_megatron(hf, lay)
+    back = _convert.megatron_to_hf(meg, lay)
+    assert set(back) == set(hf)
+    for name, value in hf.items():
+        assert torch.equal(back[name], value), name
+    if lay.te_norm_names:
+        assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in meg
+
+
+def test_qkv_is_grouped_by_key_value_head() -> None:
+    # 4 query heads, 2 kv groups, head_dim 2: rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
+    lay = _convert.Layout(
+        num_layers=1, hidden_size=8, num_attention_heads=4, num_key_value_heads=2, qkv_bias=True
+    )
+    hf = _random_hf(lay)
+    qkv = _convert.hf_to_megatron(hf, lay)["decoder.layers.0.self_attention.linear_qkv.bias"]
+    q = hf["model.layers.0.self_attn.q_proj.bias"].view(4, 2)
+    k = hf["model.layers.0.self_attn.k_proj.bias"].view(2, 2)
+    v = hf["model.layers.0.self_attn.v_proj.bias"].view(2, 2)
+    expected = torch.cat([q[0], q[1], k[0], v[0], q[2], q[3], k[1], v[1]])
+    assert torch.equal(qkv, expected)
+
+
+def test_tensor_parallel_shards_round_trip() -> None:
+    lay = _convert.Layout(
+        num_layers=1, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, qkv_bias=True
+    )
+    meg = _convert.hf_to_megatron(_random_hf(lay), lay)
+    for name, full in meg.items():
+        shards = [_convert.shard(name, full, rank=r, size=2) for r in range(2)]
+        assert torch.equal(_convert.unshard(name, shards), full), name
+    fc1 = meg["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate, up = fc1.chunk(2)
+    rank1 = _convert.shard("decoder.layers.0.mlp.linear_fc1.weight", fc1, rank=1, size=2)
+    assert torch.equal(rank1, torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+    assert _convert.local_name("decoder.layers.3.mlp.linear_fc2.weight", offset=2) == (
+        "decoder.layers.1.mlp.linear_fc2.weight"
+    )
+
+
+# --- set-up rejections -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        pytest.param(
+            {"use_megatron_fsdp": True}, "policy.megatron_cfg.use_megatron_fsdp", id="fsdp"
+        ),
+        pytest.param(
+            {
+                "fp8_param": True,
+                "fp8_recipe": "mxfp8",
+                "optimizer": {"use_distributed_optimizer": True},
+            },
+            "policy.megatron_cfg.optimizer.use_distributed_optimizer",
+            id="mxfp8-distopt",
+        ),
+        pytest.param(
+            {"tensor_model_parallel_size": 0},
+            "policy.megatron_cfg.tensor_model_parallel_size",
+            id="tp0",
+        ),
+        pytest.param(
+            {"sequence_parallel": True}, "policy.megatron_cfg.sequence_parallel", id="unknown"
+        ),
+        pytest.param(
+            {"tensor_model_parallel_size": 3},
+            "policy.megatron_cfg.tensor_model_parallel_size",
+            id="tp3-world1",
+        ),
+    ],
+)
+def test_set_up_rejects(options: dict[str, object], key: str) -> None:
+    config = ActorConfig(model=SPEC, backend="megatron", backend_options=options)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        get_backend("megatron")(config=config, rank=0, world_size=1, dist_init_method=None)
+
+
+def test_critic_rejections_name_the_critic_key() -> None:
+    config = CriticConfig(
+        model=SPEC, backend="megatron", backend_options={"use_megatron_fsdp": True}
+    )
+    with pytest.raises(ValueError, match=r"critic\.megatron_cfg\.use_megatron_fsdp"):
+        get_backend("megatron")(config=config, rank=0, world_size=1, dist_init_method=None)
+
+
+def test_mxfp8_without_distributed_optimizer_passes_option_checks() -> None:
+    opts = mg.parse_options({"fp8_param": True, "fp8_recipe": "mxfp8"}, role="policy")
+    assert opts.fp8_param and not opts.use_distributed_optimizer
+
+
+# --- the real GPTModel vs transformers ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backend() -> object:
+    return get_backend("megatron")(
+        config=ActorConfig(model=SPEC, backend="megatron"),
+        rank=0,
+        world_size=1,
+        dist_init_method=None,
+    )
+
+
+def test_hf_megatron_hf_gives_same_weights_and_logits(backend: object) -> None:
+    policy = backend.build_policy()  # type: ignore[attr-defined]
+    assert type(policy.gpt).__name__ == "GPTModel"
+    hf = build_causal_lm(SPEC)
+    exported = policy.export_hf()
+    hf_state = hf.state_dict()
+    assert set(exported) == set(hf_state)
+    for name, value in hf_state.items():
+        assert torch.equal(exported[name], value), name
+    batch = _batch()
+    with torch.no_grad():
+        ref = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    (logits,) = policy.forward([batch], fn=lambda out, mb: out)
+    assert logits.shape == (4, 10, SPEC.vocab_size)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(logits[real], ref[real], atol=1e-5, rtol=0)
+    # load_hf is the inverse: loading perturbed weights exports them unchanged
+    perturbed = {k: v + 0.01 for k, v in hf_state.items()}
+    policy.load_hf(perturbed)
+    again = policy.export_hf()
+    for name, value in perturbed.items():
+        torch.testing.assert_close(again[name], value, atol=0, rtol=0)
+
+
+def test_critic_is_gpt_model_with_value_head(backend: object) -> None:
+    critic_backend = get_backend("megatron")(
+        config=CriticConfig(model=SPEC, backend="megatron"),
+        rank=0,
+        world_size=1,
+        dist_init_method=None,
+    )
+    critic = critic_backend.build_critic()
+    assert type(critic.gpt.output_layer).__name__ == "ValueHead"
+    hf = build_value_model(SPEC)
+    batch = _batch(1)
+    with torch.no_grad():
+        ref = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    (values,) = critic.forward([batch], fn=lambda out, mb: out)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(values[real], ref.squeeze(-1)[real], atol=1e-5, rtol=0)
+    exported = critic.export_hf()
+    assert set(exported) == set(hf.state_dict())
+
+
+# --- workers on the megatron backend ------------------------------------------------------------
+
+
+def _actor(**kw: object) -> ActorWorker:
+    return ActorWorker(
+        ActorConfig(model=SPEC, backend="megatron", lr=1e-3, micro_batch_size=2, **kw)
+    )
+
+
+def _actor_step(
+    actor: ActorWorker, chunks: list[dict[str, torch.Tensor]], full: dict[str, torch.Tensor]
+) -> None:
+    old = actor.compute_logprobs(full)
+    adv = torch.linspace(-1.0, 1.0, full["input_ids"].numel()).view_as(old) * full["loss_mask"]
+    denom = loss_denominator(loss_mask=full["loss_mask"], loss_agg="token")
+    lo = 0
+    for chunk in chunks:
+        n = chunk["input_ids"].shape[0]
+        actor.backward(
+            chunk,
+            old_logprobs=old[lo : lo + n],
+            advantages=adv[lo : lo + n],
+            loss_denominator=denom,
+        )
+        lo += n
+
+
+def test_chunked_backward_equals_full_batch_and_survives_sleep() -> None:
+    batch = _batch(2)
+    full = _actor()
+    _actor_step(full, [batch], batch)
+    full_grads = full.grads()
+    full.finish_step()
+
+    chunked = _actor()
+    old = chunked.compute_logprobs(batch)
+    adv = torch.linspace(-1.0, 1.0, batch["input_ids"].numel()).view_as(old) * batch["loss_mask"]
+    denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
+    for lo, hi in ((0, 1), (1, 4)):
+        chunked.backward(
+            _rows(batch, lo, hi),
+            old_logprobs=old[lo:hi],
+            advantages=adv[lo:hi],
+            loss_denominator=denom,
+        )
+        chunked.sleep(parts=KEEP_GRADIENTS)  # parameters + optimizer leave, gradients stay
+        chunked.wake_up()
+    grads = chunked.grads()
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    for name, g in full_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    chunked.finish_step()
+    a, b = full.export_weights(), chunked.export_weights()
+    start = build_causal_lm(SPEC).state_dict()
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # the step changed the weights
+    for name in a:
+        # Adam divides each element by its own RMS: where a gradient is ~1e-8, fp32
+        # summation order (chunks vs one batch) moves the update by up to ~1e-5 of lr=1e-3.
+        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_checkpoint_round_trip(tmp_path: object) -> None:
+    batch = _batch(4)
+    actor = _actor(kl_loss_coef=0.1)
+    for _ in range(2):  # two steps, so the optimizer has state
+        old = actor.compute_logprobs(batch)
+        ref = actor.compute_ref_logprobs(batch)
+        denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
+        actor.backward(
+            batch,
+            old_logprobs=old,
+            advantages=batch["loss_mask"],
+            ref_logprobs=ref,
+            loss_denominator=denom,
+        )
+        actor.finish_step()
+    actor.save_checkpoint(tmp_path)  # type: ignore[arg-type]
+    other = _actor(kl_loss_coef=0.1)
+    other.load_checkpoint(tmp_path)  # type: ignore[arg-type]
+    for name, value in actor.export_weights().items():
+        assert torch.equal(other.export_weights()[name], value), name
+    # the same next step from the restored state (optimizer moments included)
+    for worker in (actor, other):
+        old = worker.compute_logprobs(batch)
+        ref = worker.compute_ref_logprobs(batch)
+        denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
+        worker.backward(
+            batch,
+            old_logprobs=old,
+            advantages=-batch["loss_mask"],
+            ref_logprobs=ref,
+            loss_denominator=denom,
+        )
+        worker.finish_step()
+    a, b = actor.export_weights(), other.export_weights()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+
+
+def test_critic_values_and_training() -> None:
+    critic = CriticWorker(CriticConfig(model=SPEC, backend="megatron", lr=1e-3, micro_batch_size=2))
+    batch = _batch(5)
+    old_values = critic.compute_values(batch)
+    assert old_values.shape == (4, 10)
+    returns = old_values + batch["loss_mask"]
+    before = critic.export_weights()
+    critic.train(batch, returns=returns, old_values=old_values, epochs=2, mini_batch_size=2)
+    after = critic.export_weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    new_values = critic.compute_values(batch)
+    mask = batch["loss_mask"].bool()
+    # training moved the values toward the returns
+    assert (new_values - returns)[mask].abs().mean() < (old_values - returns)[mask].abs().mean()
