@@ -1,0 +1,72 @@
+"""SharedPlacement across two Ray nodes on one machine (ray.cluster_utils.Cluster).
+
+Each node has 4 logical GPUs (ids 0..3 on both); both share the IP 127.0.0.1, so the
+bundle order falls back to the node id between nodes and to the GPU id within one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+from ppo_placement import SharedPlacement, apply_local_ray_env, placement_layout
+from ray.cluster_utils import Cluster
+
+Where = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Cluster]:
+    if ray.is_initialized():
+        ray.shutdown()
+    apply_local_ray_env()
+    node_args = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=node_args)
+    try:
+        cluster.add_node(**node_args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_ranks_fill_a_node_before_the_next(two_nodes: Cluster, where_actors_run: Where) -> None:
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    layout = placement_layout(actor_gpus=6, rollout_gpus=2)
+    with SharedPlacement(layout, strategy="PACK") as placement:
+        bundles = placement.bundles
+        assert len(bundles) == 8
+        nodes = [b.node_id for b in bundles]
+        first, second = nodes[0], nodes[4]
+        assert first != second and nodes == [first] * 4 + [second] * 4
+        assert first < second  # same IP: ordered by node id
+        assert {b.node_ip for b in bundles} == {"127.0.0.1"}
+        assert [b.gpu_id for b in bundles] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+        actor, critic, rollout = (
+            placement.actor_view(),
+            placement.critic_view(),
+            placement.rollout_view(),
+        )
+        assert actor.node_boundaries == (range(0, 4), range(4, 6))
+        assert [s.node_rank for s in actor] == [0, 0, 0, 0, 1, 1]
+        assert [s.local_rank for s in actor] == [0, 1, 2, 3, 0, 1]
+        assert actor.node_ips == ("127.0.0.1", "127.0.0.1")
+        for a, c in zip(actor, critic, strict=True):
+            assert (a.node_id, a.gpu_id, a.bundle_index) == (c.node_id, c.gpu_id, c.bundle_index)
+        # Rollout: the last two GPUs of the second node, disjoint from training.
+        assert [(s.node_id, s.gpu_id) for s in rollout] == [(second, 2), (second, 3)]
+        assert rollout.node_boundaries == (range(0, 2),)
+        assert not {s.bundle_index for s in rollout} & {s.bundle_index for s in actor}
+
+        # Real actors (kept few: 2 cores): actor and critic of a rank on each node, and
+        # a rollout engine, all at once.
+        slots = [actor[3], critic[3], actor[4], critic[4], rollout[1]]
+        reports = where_actors_run(slots)
+        for slot, report in zip(slots, reports, strict=True):
+            assert report["node_id"] == slot.node_id, slot
+            assert report["gpu_ids"] == [slot.gpu_id], slot
