@@ -639,21 +639,15 @@ def validate(cfg: DriverConfig) -> ValidationReport:
 
 def _streaming_layout_problem(cfg: DriverConfig) -> str | None:
     """Ask ppo_placement whether the rollout layout allows streaming; None when it does."""
-    import ppo_placement
+    from ppo_placement import check_streaming_layout, placement_layout
 
-    check = getattr(ppo_placement, "check_streaming_layout", None)
-    if check is None:  # placement package without its check yet: same rule, stated here
-        if cfg.cluster.colocate:
-            return "cluster.colocate=true puts generation on the training devices"
-        if cfg.cluster.rollout_gpus < 1:
-            return "cluster.rollout_gpus=0 leaves generation no devices of its own"
-        return None
     try:
-        check(
+        layout = placement_layout(
             actor_gpus=cfg.cluster.actor_gpus,
             rollout_gpus=cfg.cluster.rollout_gpus,
             colocate=cfg.cluster.colocate,
         )
+        check_streaming_layout(layout, streaming=True)
     except ValueError as exc:
         return str(exc)
     return None

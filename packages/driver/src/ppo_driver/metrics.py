@@ -67,6 +67,7 @@ def format_step_line(record: Mapping[str, Any]) -> str:
     keys = (
         ("reward", "rollout/reward_mean"),
         ("kl", "actor/approx_kl"),
+        ("kl_eng", "rollout/kl_engine_trainer"),
         ("clipfrac", "actor/clipfrac"),
         ("v_loss", "loss/value"),
         ("chunks", "train/chunks"),

@@ -324,6 +324,7 @@ class TrainPump:
         chunk_groups: list[int] = []
         actor_metrics: list[dict[str, float]] = []
         waited = 0.0
+        kl_sum = 0.0  # engine vs trainer log-probs of the sampled tokens (policy lag)
         denominator = 0.0
         # The value model is prepared before waiting for the first chunk.
         self.residency.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=step)
@@ -359,6 +360,7 @@ class TrainPump:
                         batch["old_logprobs"] = self.actor.gather_rows("compute_logprobs", _model_inputs(batch))
                         if ppo.kl_loss_coef > 0:
                             batch["ref_logprobs"] = self.actor.gather_rows("compute_ref_logprobs", _model_inputs(batch))
+                        kl_sum += _engine_kl_sum(batch)
                     # actor: backward scaled by the WHOLE step's count; no optimizer step
                     if not full_batch_epochs:
                         self.residency.prepare(Phase.POLICY_BACKWARD, step=step)
@@ -421,6 +423,8 @@ class TrainPump:
         metrics = self._step_metrics(
             step, full, chunk_groups, actor_metrics, update_metrics, critic_metrics, totals, step_s, waited, refit_s
         )
+        if not warmup:
+            metrics["rollout/kl_engine_trainer"] = kl_sum / max(1.0, float(full["loss_mask"].sum()))
         return StepReport(step=step, chunk_groups=chunk_groups, group_ids=sorted(ids), metrics=metrics)
 
     # ---------------------------------------------------------------- pieces
@@ -510,6 +514,15 @@ class TrainPump:
         out.update(update_metrics)
         out.update(critic_metrics)
         return out
+
+
+def _engine_kl_sum(batch: dict[str, torch.Tensor]) -> float:
+    """Sum over response tokens of the k3 estimate of KL(engine || trainer) per token."""
+    if "engine_logprobs" not in batch:
+        return 0.0
+    delta = (batch["old_logprobs"] - batch["engine_logprobs"]).float()
+    k3 = torch.exp(delta) - 1.0 - delta
+    return float((k3 * batch["loss_mask"]).sum())
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

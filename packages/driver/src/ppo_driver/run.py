@@ -136,23 +136,16 @@ class _Generation:
         ray.get([e.continue_generation.remote() for e in self.engines])
 
 
-def _strategies(cfg: DriverConfig) -> tuple[list[Any], list[Any], float, Any]:
-    """Scheduling strategies of actor/critic ranks and engines, per-rank GPU fraction,
-    and the placement object to tear down."""
-    import ppo_placement
+def _placement(cfg: DriverConfig) -> Any:
+    """The shared placement group: actor rank r and critic rank r on bundle r, the
+    engines on the rollout bundles (or on the training bundles when colocated)."""
+    from ppo_placement import SharedPlacement, check_streaming_layout, placement_layout
 
-    shared = getattr(ppo_placement, "SharedPlacement", None)
-    if shared is None:  # placement without views yet: plain scheduling
-        return [None] * cfg.cluster.actor_gpus, [None] * cfg.rollout.num_engines, 0.0, None
-    placement = ppo_placement.create_shared_placement(  # type: ignore[attr-defined]
-        actor_gpus=cfg.cluster.actor_gpus,
-        rollout_gpus=cfg.cluster.rollout_gpus,
-        colocate=cfg.cluster.colocate,
+    layout = placement_layout(
+        actor_gpus=cfg.cluster.actor_gpus, rollout_gpus=cfg.cluster.rollout_gpus, colocate=cfg.cluster.colocate
     )
-    actor = [e.scheduling_strategy for e in placement.actor_view()]
-    rollout = [e.scheduling_strategy for e in placement.rollout_view()]
-    engines = [rollout[i % len(rollout)] for i in range(cfg.rollout.num_engines)]
-    return actor, engines, 0.5, placement
+    check_streaming_layout(layout, streaming=cfg.streaming)
+    return SharedPlacement(layout).create()
 
 
 # ------------------------------------------------------------------- logging / progress
@@ -234,22 +227,27 @@ def train(
     )
     from ppo_driver.workers import TrainGroup
 
+    log.info("start-up: Ray up after %.1f s", time.perf_counter() - t_run)
+
     tokenizer = CharTokenizer(TASK_ALPHABET)
     actor_cfg, critic_cfg = build_trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
-    actor_strats, engine_strats, gpu_frac, placement = _strategies(cfg)
-    actor = TrainGroup("actor", ActorWorker, actor_cfg, strategies=actor_strats, num_gpus_per_rank=gpu_frac)
-    critic = TrainGroup("critic", CriticWorker, critic_cfg, strategies=actor_strats, num_gpus_per_rank=gpu_frac)
+    placement = _placement(cfg)
+    actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
+    critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
+    rollout_slots = list(placement.rollout_view())
+    engine_slots = [rollout_slots[i % len(rollout_slots)] for i in range(cfg.rollout.num_engines)]
     engines = launch_embedded_engines(
         cfg.rollout.num_engines,
         model=actor_cfg.model,
         run_seed=cfg.run.seed,
-        scheduling_strategies=engine_strats if engine_strats[0] is not None else None,
-        num_cpus=0,
-        num_gpus=gpu_frac,
-        pad_id=tokenizer.pad_id,
+        scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
+        num_cpus=engine_slots[0].num_cpus,
+        num_gpus=engine_slots[0].num_gpus,
     )
     actor.ready()
     critic.ready()
+    ray.get([e.health.remote() for e in engines])
+    log.info("start-up: workers and %d engine(s) ready after %.1f s", len(engines), time.perf_counter() - t_run)
     refitter = WeightRefitter(actor=actor.handles[0], engines=engines)
     generation = _Generation(engines, refitter)
 
@@ -400,8 +398,7 @@ def train(
             group.kill()
         for engine in engines:
             ray.kill(engine)
-        if placement is not None:
-            placement.remove()
+        placement.teardown()
         if started_here and not keep_ray:
             ray.shutdown()
         logging.getLogger("ppo_driver").removeHandler(handler)

@@ -78,24 +78,21 @@ class TrainGroup:
         worker_cls: type,
         config: Any,
         *,
-        strategies: Sequence[Any],
-        num_gpus_per_rank: float,
-        num_cpus_per_rank: float = 0.0,
+        slots: Sequence[Any],
     ) -> None:
+        """``slots``: the role's ``ppo_placement`` view, one slot per rank (its
+        ``actor_options()`` give the GPU/CPU share and the bundle)."""
         self.role = role
-        self.world_size = len(strategies)
+        self.world_size = len(slots)
         init = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
         remote_cls = ray.remote(_Host)
         self.handles = [
             remote_cls.options(  # type: ignore[attr-defined]
-                name=None,
-                num_cpus=num_cpus_per_rank,
-                num_gpus=num_gpus_per_rank,
-                scheduling_strategy=strategy,
+                **slot.actor_options(),
                 runtime_env={"env_vars": dict(_WORKER_ENV)},
                 max_concurrency=1,
             ).remote(worker_cls, config, rank, self.world_size, init)
-            for rank, strategy in enumerate(strategies)
+            for rank, slot in enumerate(slots)
         ]
 
     def ready(self) -> None:

@@ -1,0 +1,217 @@
+"""The real driver on a real local Ray cluster (127.0.0.1, dashboard off) with tiny
+models and the embedded engine: the document's claims observed in the driver's own
+logs, metrics and checkpoints.
+
+One cluster for the module; each test runs ``ppo_driver.run.train`` (fresh workers and
+engines, the cluster kept). Generation starts a step only after the previous update
+(``max_lookahead_versions=0``), so every run of the same config and seed generates the
+same samples and runs can be compared parameter by parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppo_driver.config import DriverConfig, load_config
+from ppo_driver.pump import InjectedFailure
+from ppo_driver.run import train
+
+pytestmark = pytest.mark.timeout(1800)
+
+BASE = [
+    "run.num_steps=3",
+    "run.checkpoint_every=1",
+    "run.keep_checkpoints=5",
+    "run.progress=false",
+    "ppo.num_prompts_per_step=8",
+    "ppo.num_generations_per_prompt=2",
+    "ppo.critic_mini_batch_size=8",
+    "ppo.adv_estimator.normalize_advantages=false",
+    "async_rl.min_groups_for_streaming_train=2",
+    "async_rl.sampler.max_lookahead_versions=0",
+    "rollout.max_new_tokens=8",
+    "policy.hidden_size=32",
+    "policy.intermediate_size=64",
+    "policy.num_hidden_layers=1",
+    "policy.num_attention_heads=2",
+    "policy.num_key_value_heads=1",
+    "critic.hidden_size=32",
+    "critic.intermediate_size=64",
+    "critic.num_hidden_layers=1",
+    "critic.num_attention_heads=2",
+    "critic.num_key_value_heads=1",
+]
+# Float tolerance between runs whose chunks differ (sums of per-chunk gradients vs one
+# full-batch gradient, same samples): one Adam step of lr 1e-3 moves a weight by ~1e-3,
+# summation-order noise moves it by far less than 1e-5.
+ATOL = 1e-5
+
+CHUNK_RE = re.compile(r"train_pump: step (\d+) chunk (\d+): (\d+) groups, (\d+) samples")
+CLOSE_RE = re.compile(r"train_pump: step (\d+) closing on (\d+) chunk\(s\)")
+
+
+def _cfg(*extra: str) -> DriverConfig:
+    cfg, _ = load_config(None, [*BASE, *extra])
+    return cfg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    from ppo_placement import shutdown_local_ray, start_local_ray
+
+    start_local_ray(num_gpus=2, num_cpus=4)
+    yield
+    shutdown_local_ray()
+
+
+@pytest.fixture(scope="module")
+def streaming_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], object]:
+    """The reference run: streaming, 3 steps, a checkpoint after every step."""
+    run_dir = tmp_path_factory.mktemp("streaming")
+    handler = _ListHandler()
+    logging.getLogger("ppo_driver").addHandler(handler)
+    try:
+        result = train(_cfg(), run_dir=run_dir, keep_ray=True)
+    finally:
+        logging.getLogger("ppo_driver").removeHandler(handler)
+    return run_dir, handler.lines, result
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*/rank*/*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            out[f"{f.parent.parent.name}/{k}"] = v
+    assert any(k.startswith("actor/") for k in out) and any(k.startswith("critic/") for k in out)
+    return out
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
+    keys = [k for k in a if k.startswith(prefix)]
+    assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in keys)
+
+
+def test_streaming_chunks_counters_and_outputs(streaming_run: tuple[Path, list[str], object]) -> None:
+    run_dir, lines, result = streaming_run
+    chunks: dict[int, list[tuple[int, int, int]]] = {}
+    closing: dict[int, int] = {}
+    for line in lines:
+        if m := CHUNK_RE.search(line):
+            s, k, g, n = map(int, m.groups())
+            chunks.setdefault(s, []).append((k, g, n))
+        if m := CLOSE_RE.search(line):
+            closing[int(m.group(1))] = int(m.group(2))
+    assert sorted(chunks) == [0, 1, 2] and sorted(closing) == [0, 1, 2]
+    for s, rows in chunks.items():
+        assert [k for k, _, _ in rows] == list(range(1, len(rows) + 1))
+        assert closing[s] == len(rows)
+        assert sum(g for _, g, _ in rows) == 8
+        assert all(n == 2 * g for _, g, n in rows)
+    # more than one chunk per step when streaming
+    assert all(closing[s] > 1 for s in closing), closing
+
+    # no sample duplicated or dropped: every step trains on exactly its own 8 groups
+    reports = result.reports  # type: ignore[attr-defined]
+    ids = [r.group_ids for r in reports]
+    assert all(len(set(x)) == 8 for x in ids)
+    assert len({g for x in ids for g in x}) == 24
+
+    # counters advance only after critic training: in the trace every step's critic
+    # training ends before the next step's first chunk starts; metrics once per step
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["train/chunks"] for r in rows] == [closing[0], closing[1], closing[2]]
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    phases = {e["cat"] for e in trace if e.get("ph") == "X"}
+    assert {"generation", "chunk", "switch", "update", "refit", "critic", "value", "backward"} <= phases
+    for s in (0, 1):
+        critic_end = max(e["ts"] + e["dur"] for e in trace if e.get("cat") == "critic" and e["args"].get("step") == s)
+        next_chunk = min(e["ts"] for e in trace if e.get("cat") == "chunk" and e["args"].get("step") == s + 1)
+        assert critic_end <= next_chunk
+    for s in (1, 2, 3):
+        state = json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "driver.json").read_text())
+        assert state["completed_steps"] == s
+    assert (run_dir / "reward.png").stat().st_size > 1000
+
+
+def test_full_batch_matches_streaming_after_one_step(
+    streaming_run: tuple[Path, list[str], object], tmp_path: Path
+) -> None:
+    """Same seed, advantages not normalised: one streaming step (several chunks) and one
+    full-batch step leave the same actor and critic (parameters and Adam state)."""
+    run_dir, _, _ = streaming_run
+    train(_cfg("run.num_steps=1", "async_rl.min_groups_for_streaming_train=8"), run_dir=tmp_path, keep_ray=True)
+    streamed = _tensors(run_dir / "checkpoints" / "step_000001")
+    full = _tensors(tmp_path / "checkpoints" / "step_000001")
+    assert _max_diff(streamed, full, "actor/") < ATOL
+    assert _max_diff(streamed, full, "critic/") < ATOL
+    initial_moved = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert initial_moved["train/chunks"] == 1
+
+
+def test_kill_mid_update_and_between_steps_then_resume(
+    streaming_run: tuple[Path, list[str], object], tmp_path: Path
+) -> None:
+    """Crash in the middle of step 1's update (after the policy update and refit, before
+    critic training), resume; crash again while writing the checkpoint after step 2
+    (between steps), resume; the result equals the uninterrupted run."""
+    run_dir, _, _ = streaming_run
+    cfg = _cfg()
+    with pytest.raises(InjectedFailure):
+        train(cfg, run_dir=tmp_path, fail_at="1:before_critic", keep_ray=True)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"
+    with pytest.raises(InjectedFailure):
+        train(cfg, run_dir=tmp_path, resume=True, fail_at="2:checkpoint", keep_ray=True)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"  # the partial one is ignored
+    result = train(cfg, run_dir=tmp_path, resume=True, keep_ray=True)
+    assert result.resumed_from == 1
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # nothing repeated, nothing lost
+    ref = _tensors(run_dir / "checkpoints" / "step_000003")
+    got = _tensors(tmp_path / "checkpoints" / "step_000003")
+    assert _max_diff(ref, got) < ATOL
+    ref_state = json.loads((run_dir / "checkpoints" / "step_000003" / "driver.json").read_text())
+    got_state = json.loads((tmp_path / "checkpoints" / "step_000003" / "driver.json").read_text())
+    for key in ("completed_steps", "weight_version"):
+        assert got_state[key] == ref_state[key]
+    assert got_state["rollout"]["next_prompt"] == ref_state["rollout"]["next_prompt"]
+
+
+def test_minimum_that_cannot_leave_the_tail_floor_runs_one_chunk(tmp_path: Path) -> None:
+    """Batch 16, minimum 11: streaming rules apply, yet every step is one chunk."""
+    handler = _ListHandler()
+    logging.getLogger("ppo_driver").addHandler(handler)
+    try:
+        train(
+            _cfg(
+                "run.num_steps=1",
+                "ppo.num_prompts_per_step=16",
+                "ppo.num_generations_per_prompt=1",
+                "ppo.critic_mini_batch_size=16",
+                "async_rl.min_groups_for_streaming_train=11",
+            ),
+            run_dir=tmp_path,
+            keep_ray=True,
+        )
+    finally:
+        logging.getLogger("ppo_driver").removeHandler(handler)
+    assert any("train_pump: step 0 chunk 1: 16 groups, 16 samples" in x for x in handler.lines)
+    assert any("train_pump: step 0 closing on 1 chunk(s)" in x for x in handler.lines)

@@ -1,0 +1,140 @@
+"""The pump's pure parts: chunk selection with the real sampler, batch assembly, and the
+residency plan it executes (no Ray, no models)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase
+from ppo_sampler import InOrderSampler, ReadyFirstSampler
+
+from ppo_driver.pump import ChunkGate, _Residency, assemble_full_batch
+from ppo_driver.trace import TraceRecorder
+
+
+def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> list[list[int]]:
+    """Feed ``arrivals`` (bursts of finished group ids) and claim chunks after each burst,
+    as the pump does between polls. Returns the claimed chunks."""
+    gate.begin_step(step)
+    chunks: list[list[int]] = []
+    for burst in arrivals:
+        for gid in burst:
+            gate.sampler.add(gid, step=step, weight_version=step)
+        while ids := gate.take(trainer_version=step):
+            chunks.append(ids)
+    assert gate.remaining == 0
+    return chunks
+
+
+def _one_by_one(batch: int, seed: int) -> list[list[int]]:
+    order = list(range(batch))
+    random.Random(seed).shuffle(order)
+    return [[g] for g in order]
+
+
+@pytest.mark.parametrize("sampler_cls", [InOrderSampler, ReadyFirstSampler], ids=["in_order", "ready_first"])
+@pytest.mark.parametrize("minimum", range(11, 17))
+def test_batch16_minimum_11_to_16_always_one_chunk(sampler_cls: Any, minimum: int) -> None:
+    """The document: a minimum above about two thirds of the batch cannot leave the tail
+    floor, so every step is one chunk, whatever the arrival pattern."""
+    for seed in range(5):
+        gate = ChunkGate(sampler_cls(), batch=16, min_groups=minimum, alignment=1)
+        chunks = _run_step(gate, _one_by_one(16, seed))
+        assert [len(c) for c in chunks] == [16]
+
+
+@pytest.mark.parametrize("minimum", [1, 2, 4, 8, 10])
+def test_streaming_minimum_splits_one_by_one_arrivals(minimum: int) -> None:
+    gate = ChunkGate(InOrderSampler(), batch=16, min_groups=minimum, alignment=1)
+    chunks = _run_step(gate, _one_by_one(16, 0))
+    sizes = [len(c) for c in chunks]
+    assert len(sizes) > 1
+    assert all(s >= minimum for s in sizes[:-1])
+    # nothing duplicated or dropped
+    flat = [g for c in chunks for g in c]
+    assert sorted(flat) == list(range(16))
+
+
+def test_document_example_88_plus_40() -> None:
+    gate = ChunkGate(InOrderSampler(), batch=128, min_groups=32, alignment=1)
+    chunks = _run_step(gate, [list(range(88)), list(range(88, 120)), list(range(120, 128))])
+    assert [len(c) for c in chunks] == [88, 40]
+
+
+def test_steps_never_share_or_lose_groups() -> None:
+    gate = ChunkGate(InOrderSampler(max_lookahead_versions=1), batch=8, min_groups=2, alignment=2)
+    seen: list[int] = []
+    for step in range(3):
+        ids = [step * 8 + i for i in range(8)]
+        chunks = _run_step(gate, [ids[:3], ids[3:5], ids[5:]], step=step)
+        assert all(len(c) % 2 == 0 for c in chunks)
+        step_ids = gate.finish_step()
+        gate.sampler.mark_consumed(step_ids)
+        assert sorted(step_ids) == ids
+        seen += step_ids
+    assert sorted(seen) == list(range(24))
+
+
+def _chunk(pids: list[int], width: int) -> dict[str, torch.Tensor]:
+    b = len(pids)
+    return {
+        "input_ids": torch.arange(b * width).reshape(b, width) + 3,
+        "loss_mask": torch.ones(b, width),
+        "prompt_indices": torch.tensor(pids),
+    }
+
+
+def test_assemble_full_batch_pads_and_orders_by_prompt() -> None:
+    full = assemble_full_batch([_chunk([5, 1], 3), _chunk([0, 2, 4], 5)], pad_id=0)
+    assert full["prompt_indices"].tolist() == [0, 1, 2, 4, 5]
+    assert full["input_ids"].shape == (5, 5)
+    # rows of the narrow chunk are right padded with pad_id and mask 0
+    row1 = full["input_ids"][1]
+    assert row1[3:].tolist() == [0, 0]
+    assert full["loss_mask"][1, 3:].tolist() == [0.0, 0.0]
+
+
+class _Recorder:
+    """Stands in for a TrainGroup: records the lifecycle calls the plan issues."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def call(self, method: str, **kwargs: Any) -> list[None]:
+        parts = kwargs.get("parts")
+        tag = "" if parts is None else ("(keep_grads)" if parts == KEEP_GRADIENTS else "(all)")
+        assert parts in (None, KEEP_GRADIENTS, ALL_PARTS)
+        self.log.append(f"{self.name}.{method}{tag}")
+        return [None]
+
+
+def test_residency_keeps_actor_grads_between_chunks_and_never_switches_redundantly() -> None:
+    log: list[str] = []
+    res = _Residency(_Recorder("actor", log), _Recorder("critic", log), TraceRecorder())
+    res.start()
+    log.clear()
+    for _chunk_index in range(2):
+        res.prepare(Phase.VALUE_FORWARD, step=0)
+        res.prepare(Phase.POLICY_FORWARD, step=0)
+        res.prepare(Phase.POLICY_BACKWARD, step=0)
+        res.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=0)  # prepare the critic before waiting
+        res.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=0)  # an empty selection: nothing moves
+    res.prepare(Phase.VALUE_FORWARD, step=0)
+    res.prepare(Phase.POLICY_UPDATE, step=0)
+    res.prepare(Phase.REFIT, step=0)
+    res.prepare(Phase.CRITIC_TRAIN, step=0)
+    assert log == [
+        "critic.sleep(all)", "actor.wake_up",
+        "actor.sleep(keep_grads)", "critic.wake_up",
+        "critic.sleep(all)", "actor.wake_up",
+        "actor.sleep(keep_grads)", "critic.wake_up",
+        "critic.sleep(all)", "actor.wake_up",
+        "actor.sleep(all)", "critic.wake_up",
+    ]  # fmt: skip
+    saved: list[str] = []
+    res.save_both(saved.append, step=0)
+    assert saved == ["critic", "actor"]
+    assert res.resident == "critic"
