@@ -226,12 +226,12 @@ def test_new_optimizer_state_is_found_at_each_sleep() -> None:
 def test_rehome_keeps_tensor_objects_and_training_exact() -> None:
     """The memory-saver backend's move into a region, exercised on CPU storage."""
     from ppo_lifecycle._backends import rehome
-    from ppo_lifecycle._tensors import collect_groups
+    from ppo_lifecycle._tensors import collect_groups, inventory
 
     model, opt = _trained()
     plain, plain_opt = _trained()
     params = list(model.parameters())
-    groups = collect_groups(list(Part), model, opt, torch.device("cpu"))
+    groups = collect_groups(list(Part), inventory(model, opt, torch.device("cpu")))
     for part_groups in groups.values():
         for group in part_groups:
             old_ptr = group.storage.data_ptr()

@@ -119,5 +119,5 @@ def _tensors(machine: Lifecycle, part: Part) -> list[torch.Tensor]:
     return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
-Lifecycle.TestCase.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
+Lifecycle.TestCase.settings = settings(max_examples=20, stateful_step_count=15, deadline=None)
 TestLifecycle = Lifecycle.TestCase

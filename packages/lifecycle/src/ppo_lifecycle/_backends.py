@@ -123,7 +123,7 @@ class HostCopyBackend:
         for group in groups:
             storage, key, nbytes = group.storage, group.key, group.nbytes
             host = self._host_buffer(key, nbytes)
-            host.copy_(_byte_view(storage), non_blocking=self.pin_memory)
+            host.untyped_storage().copy_(storage, non_blocking=self.pin_memory)
             saved.append(_Saved(key, storage, nbytes, host))
         _synchronize(self.device)
         # Only after every copy landed: free the device memory.
@@ -141,7 +141,7 @@ class HostCopyBackend:
             if item.storage.nbytes() != item.nbytes:
                 item.storage.resize_(item.nbytes)
         for item in pending:
-            _byte_view(item.storage).copy_(item.host, non_blocking=self.pin_memory)
+            item.storage.copy_(item.host.untyped_storage(), non_blocking=self.pin_memory)
             restored += item.nbytes
         _synchronize(self.device)
         del self._saved[part]

@@ -23,9 +23,8 @@ from ._tensors import (
     check_gradient_isolation,
     collect_groups,
     find_overlaps,
-    part_tensors,
+    inventory,
     resolve_device,
-    storage_key,
 )
 
 __all__ = ["OffloadManager"]
@@ -132,21 +131,17 @@ class OffloadManager:
         """The parts currently on the device."""
         return ALL_PARTS - self._asleep
 
+    def _inventory(self) -> dict[Part, list[torch.Tensor]]:
+        return inventory(self.model, self.optimizer, self.device, self.extra)
+
     def part_bytes(self) -> dict[Part, int]:
         """Bytes of each part: measured on the device if resident, as offloaded if not."""
-        result: dict[Part, int] = {}
         resident = self.resident_parts
-        groups = collect_groups(
-            resident,
-            self.model,
-            self.optimizer,
-            self.device,
-            self.extra,
-            skip=self.backend.offloaded_keys(),
-        )
+        groups = collect_groups(resident, self._inventory(), skip=self.backend.offloaded_keys())
+        result: dict[Part, int] = {}
         for part in PART_ORDER:
             if part in resident:
-                result[part] = sum(g.nbytes for g in groups.get(part, []))
+                result[part] = sum(g.nbytes for g in groups[part])
             else:
                 result[part] = self._offloaded_bytes.get(part, 0)
         return result
@@ -154,10 +149,10 @@ class OffloadManager:
     def device_bytes(self) -> int:
         """Bytes the model's tensors hold on the device right now (measured)."""
         seen: dict[int, int] = {}
-        for part in Part:
-            for tensor in part_tensors(part, self.model, self.optimizer, self.extra):
-                if tensor.device == self.device:
-                    seen[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        for tensors in self._inventory().values():
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                seen[storage._cdata] = storage.nbytes()
         return sum(seen.values())
 
     @contextlib.contextmanager
@@ -177,11 +172,7 @@ class OffloadManager:
         self.backend.adopt(part, self._keys(part) - before)
 
     def _keys(self, part: Part) -> set[int]:
-        return {
-            storage_key(t)
-            for t in part_tensors(part, self.model, self.optimizer, self.extra)
-            if t.device == self.device
-        }
+        return {t.untyped_storage()._cdata for t in self._inventory()[part]}
 
     # ------------------------------------------------------------- lifecycle
     def sleep(self, *, parts: Iterable[Part] = ALL_PARTS) -> None:
@@ -203,7 +194,8 @@ class OffloadManager:
             )
             return
         kept = ALL_PARTS - self._asleep - todo
-        overlaps = find_overlaps(kept, todo, self.model, self.optimizer, self.device, self.extra)
+        tensors = self._inventory()
+        overlaps = find_overlaps(kept, todo, tensors)
         if overlaps:
             names = ", ".join(f"{k.value} (kept) <-> {m.value} (offloaded)" for k, m in overlaps)
             raise StorageAliasError(
@@ -211,14 +203,7 @@ class OffloadManager:
                 f"memory that a kept part uses: {names}. Fix: offload them together, "
                 "or give gradients their own buffers."
             )
-        groups = collect_groups(
-            todo,
-            self.model,
-            self.optimizer,
-            self.device,
-            self.extra,
-            skip=self.backend.offloaded_keys(),
-        )
+        groups = collect_groups(todo, tensors, skip=self.backend.offloaded_keys())
         if not self._asleep and self._on_release is not None:
             self._on_release()
         for part in PART_ORDER:

@@ -21,12 +21,6 @@ class StorageAliasError(ValueError):
     """Two parts share device memory, so one cannot leave while the other stays."""
 
 
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the storage behind ``tensor`` (stable while it is resized to 0)."""
-    key: int = tensor.untyped_storage()._cdata
-    return key
-
-
 def _walk_state(value: object) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -38,29 +32,38 @@ def _walk_state(value: object) -> Iterator[torch.Tensor]:
             yield from _walk_state(item)
 
 
-def part_tensors(
-    part: Part,
+Inventory = dict[Part, list[torch.Tensor]]
+
+
+def inventory(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    device: torch.device,
     extra: ExtraTensors | None = None,
-) -> Iterator[torch.Tensor]:
-    """Every tensor of ``part`` reachable from ``module``, ``optimizer`` and ``extra``."""
-    if part is Part.PARAMETERS:
-        yield from module.parameters()
-    elif part is Part.BUFFERS:
-        yield from module.buffers()
-    elif part is Part.GRADIENTS:
-        for param in module.parameters():
-            if param.grad is not None:
-                yield param.grad
-            main_grad = getattr(param, "main_grad", None)
-            if isinstance(main_grad, torch.Tensor):
-                yield main_grad
-    elif part is Part.OPTIMIZER and optimizer is not None:
-        for state in optimizer.state.values():
-            yield from _walk_state(state)
-    if extra is not None and part in extra:
-        yield from extra[part]()
+) -> Inventory:
+    """Every tensor of every part on ``device``, gathered in one pass over ``module``."""
+    params = list(module.parameters())
+    out: Inventory = {part: [] for part in Part}
+    out[Part.PARAMETERS] = [p for p in params if p.device == device]
+    out[Part.BUFFERS] = [b for b in module.buffers() if b.device == device]
+    grads = out[Part.GRADIENTS]
+    for param in params:
+        if param.grad is not None and param.grad.device == device:
+            grads.append(param.grad)
+        main_grad = getattr(param, "main_grad", None)
+        if isinstance(main_grad, torch.Tensor) and main_grad.device == device:
+            grads.append(main_grad)
+    if optimizer is not None:
+        out[Part.OPTIMIZER] = [
+            t
+            for state in optimizer.state.values()
+            for t in _walk_state(state)
+            if t.device == device
+        ]
+    if extra is not None:
+        for part, tensors in extra.items():
+            out[Part(part)].extend(t for t in tensors() if t.device == device)
+    return out
 
 
 @dataclass
@@ -81,15 +84,9 @@ class StorageGroup:
 
 
 def collect_groups(
-    parts: Iterable[Part],
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
-    extra: ExtraTensors | None = None,
-    *,
-    skip: Iterable[int] = (),
+    parts: Iterable[Part], tensors: Inventory, *, skip: Iterable[int] = ()
 ) -> dict[Part, list[StorageGroup]]:
-    """Unique, non-empty storages on ``device`` per part, with their tensors.
+    """Unique, non-empty storages per part, with their tensors.
 
     A storage reachable from two parts (tied weights, a buffer aliasing a
     parameter) belongs to the first part in the fixed part order, so it moves
@@ -100,9 +97,7 @@ def collect_groups(
     owner: dict[int, Part] = {}
     groups: dict[int, StorageGroup] = {}
     for part in PART_ORDER:
-        for tensor in part_tensors(part, module, optimizer, extra):
-            if tensor.device != device:
-                continue
+        for tensor in tensors[part]:
             storage = tensor.untyped_storage()
             key: int = storage._cdata
             if key in skipped or storage.nbytes() == 0:
@@ -120,38 +115,24 @@ def collect_groups(
     return result
 
 
-def _ranges(
-    parts: Iterable[Part],
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
-    extra: ExtraTensors | None,
-) -> list[tuple[int, int, Part]]:
-    out: list[tuple[int, int, Part]] = []
+def _ranges(parts: Iterable[Part], tensors: Inventory) -> list[tuple[int, int, Part]]:
+    out: set[tuple[int, int, Part]] = set()
     for part in parts:
-        for tensor in part_tensors(part, module, optimizer, extra):
-            if tensor.device != device:
-                continue
+        for tensor in tensors[part]:
             storage = tensor.untyped_storage()
             size = storage.nbytes()
-            if size == 0:
-                continue
-            start = storage.data_ptr()
-            out.append((start, start + size, part))
-    return out
+            if size:
+                start = storage.data_ptr()
+                out.add((start, start + size, part))
+    return sorted(out)
 
 
 def find_overlaps(
-    kept: Iterable[Part],
-    moved: Iterable[Part],
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
-    extra: ExtraTensors | None = None,
+    kept: Iterable[Part], moved: Iterable[Part], tensors: Inventory
 ) -> list[tuple[Part, Part]]:
     """Pairs (kept part, moved part) whose device memory ranges intersect."""
-    kept_ranges = _ranges(kept, module, optimizer, device, extra)
-    moved_ranges = _ranges(moved, module, optimizer, device, extra)
+    kept_ranges = _ranges(kept, tensors)
+    moved_ranges = _ranges(moved, tensors)
     events = sorted(
         [(start, end, part, True) for start, end, part in kept_ranges]
         + [(start, end, part, False) for start, end, part in moved_ranges]
@@ -190,7 +171,7 @@ def check_gradient_isolation(
     """
     dev = resolve_device(module, device)
     others = [p for p in Part if p is not Part.GRADIENTS]
-    overlaps = find_overlaps([Part.GRADIENTS], others, module, optimizer, dev, extra)
+    overlaps = find_overlaps([Part.GRADIENTS], others, inventory(module, optimizer, dev, extra))
     if overlaps:
         names = ", ".join(f"{kept.value}<->{moved.value}" for kept, moved in overlaps)
         raise StorageAliasError(
