@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ppo_lifecycle import OffloadManager
 from torch import nn
 
 from ppo_trainer._backend import Batch, ForwardFn, LossFn, lr_multiplier
@@ -282,41 +283,6 @@ def _transformer_config(
     )
 
 
-# --- storage-level offload of megatron's contiguous buffers ------------------------------
-
-
-class _StorageStash:
-    """Frees a tensor's storage (``resize_(0)``) after copying it to the host, and back.
-
-    Views into the storage (megatron's parameters and ``main_grad`` live inside DDP's
-    contiguous buffers) stay valid objects, and see the old values again after restore.
-    """
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-
-    def stash(self, tensors: Sequence[torch.Tensor]) -> None:
-        seen: set[int] = set()
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            nbytes = storage.nbytes()
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.is_cuda)
-            host.copy_(whole)
-            self._saved.append((whole, host, nbytes))
-            storage.resize_(0)
-
-    def restore(self) -> None:
-        for whole, host, nbytes in self._saved:
-            whole.untyped_storage().resize_(nbytes)
-            whole.copy_(host)
-        self._saved.clear()
-
-
 # --- models -----------------------------------------------------------------------------
 
 
@@ -330,13 +296,18 @@ class MegatronFrozenModel:
         layout: _convert.Layout,
         device: torch.device,
         offset: int,
+        name: str = "reference",
     ) -> None:
         self.gpt = gpt
         self.module: nn.Module = gpt
         self.layout = layout
         self.device = device
         self.offset = offset
-        self._stash: _StorageStash | None = None
+        # Storage-level host copies: megatron's parameters (and main_grad) are views into
+        # DDP's contiguous buffers, which move as whole storages and keep every view valid.
+        self.lifecycle = OffloadManager(
+            gpt, None, device=device, backend="host_copy", name=name, keep_gradients=False
+        )
 
     # -- running ------------------------------------------------------------------------
     def _output(self, output: torch.Tensor) -> torch.Tensor:
@@ -348,8 +319,23 @@ class MegatronFrozenModel:
         ids = mb["input_ids"]
         b, t = ids.shape
         positions = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
-        out: torch.Tensor = self.module(ids, positions, None)
+        out: torch.Tensor = self.module(ids, positions, self._attention_mask(mb))
         return out
+
+    def _attention_mask(self, mb: Batch) -> torch.Tensor | None:
+        """Causal + key padding, ``[b, 1, T, T]``, True = masked (the local spec's format).
+
+        Right padding never changes the real positions under a causal mask, but the pad
+        positions then also match transformers (which masks pad keys). The Transformer
+        Engine spec runs its causal kernel without a mask (real positions identical).
+        """
+        attn = mb.get("attention_mask")
+        if self.layout.te_norm_names or attn is None or bool(attn.all()):
+            return None
+        t = attn.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=attn.device).tril()
+        allowed = causal[None, None] & attn.bool()[:, None, None, :]
+        return ~allowed
 
     def _run(
         self,
@@ -479,18 +465,10 @@ class MegatronFrozenModel:
 
     # -- offload ------------------------------------------------------------------------
     def offload(self, parts: frozenset[Part]) -> None:
-        assert self._stash is None, "offload() twice without onload()"
-        stash = _StorageStash()
-        if Part.PARAMETERS in parts:
-            stash.stash(list(self.gpt.parameters()))
-        if Part.BUFFERS in parts:
-            stash.stash(list(self.gpt.buffers()))
-        self._stash = stash
+        self.lifecycle.sleep(parts=parts)
 
     def onload(self) -> None:
-        if self._stash is not None:
-            self._stash.restore()
-            self._stash = None
+        self.lifecycle.wake_up()
 
 
 class MegatronTrainModel(MegatronFrozenModel):
@@ -506,8 +484,9 @@ class MegatronTrainModel(MegatronFrozenModel):
         config: ActorConfig | CriticConfig,
         opts: MegatronOptions,
         tconfig: Any,
+        name: str,
     ) -> None:
-        super().__init__(gpt, layout=layout, device=device, offset=offset)
+        super().__init__(gpt, layout=layout, device=device, offset=offset, name=name)
         self.config = config
         self.opts = opts
         ddp_config = DistributedDataParallelConfig(
@@ -537,6 +516,17 @@ class MegatronTrainModel(MegatronFrozenModel):
             )
             self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         self._steps = 0
+        # Parameters live in DDP's param buffer, gradients in its separate grad buffer
+        # (``main_grad`` views), Adam's moments in the inner torch optimizers' state.
+        self.lifecycle = OffloadManager(
+            gpt,
+            None,
+            device=device,
+            backend="host_copy",
+            name=name,
+            keep_gradients=True,
+            extra={Part.OPTIMIZER: self._optimizer_state},
+        )
 
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
@@ -640,26 +630,14 @@ class MegatronTrainModel(MegatronFrozenModel):
         self._steps = int(state["scheduler"]["step"])
 
     # -- offload --------------------------------------------------------------------------
-    def _buffers(self) -> list[Any]:
-        return [*self.ddp.buffers, *getattr(self.ddp, "expert_parallel_buffers", [])]
-
-    def offload(self, parts: frozenset[Part]) -> None:
-        assert self._stash is None, "offload() twice without onload()"
-        stash = _StorageStash()
-        if Part.PARAMETERS in parts:
-            stash.stash([b.param_data for b in self._buffers() if b.param_data is not None])
-            stash.stash([p for _, p in self._named_params()])  # params outside the buffers
-        if Part.GRADIENTS in parts:
-            stash.stash([b.grad_data for b in self._buffers()])
-        if Part.OPTIMIZER in parts:
-            tensors: list[torch.Tensor] = []
-            for inner in self._inner_optimizers():
-                for st in inner.state.values():
-                    tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-            stash.stash(tensors)
-        if Part.BUFFERS in parts:
-            stash.stash(list(self.gpt.buffers()))
-        self._stash = stash
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        return [
+            v
+            for inner in self._inner_optimizers()
+            for st in inner.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ]
 
 
 # --- the backend --------------------------------------------------------------------------
@@ -700,6 +678,12 @@ class MegatronBackend:
                 f"`te` extra: install it or set {self.opts.prefix}.transformer_impl='local'"
             )
         self.use_te = te_ok if impl == "auto" else impl == "transformer_engine"
+        if config.offload_backend not in ("auto", "host_copy"):
+            raise ValueError(
+                f"{role}.offload_backend={config.offload_backend!r} is not supported by the "
+                "megatron backend (its DDP buffers are allocated by megatron-core, outside a "
+                f"memory-saver region): set {role}.offload_backend='host_copy' or 'auto'"
+            )
         seed = self.opts.seed if self.opts.seed is not None else config.model.seed
         with _megatron_call():
             _init_distributed(
@@ -760,6 +744,7 @@ class MegatronBackend:
             config=self.config,
             opts=self.opts,
             tconfig=tconfig,
+            name="actor",
         )
         model.load_hf(hf_state)
         return model
@@ -781,6 +766,7 @@ class MegatronBackend:
             config=self.config,
             opts=self.opts,
             tconfig=tconfig,
+            name="critic",
         )
         model.load_hf(hf_state)
         return model
