@@ -1,0 +1,327 @@
+"""The embedded generation engine: a Hugging Face causal LM decoding with its KV cache
+inside a Ray actor (the CPU default; also runs on one GPU).
+
+Threaded actor: ``generate`` calls run one group at a time under the engine lock, while
+``pause_generation``, ``health`` and the refit calls run beside them. A new weight
+version is received into a staging copy concurrently with generation, then swapped in
+under the lock, i.e. strictly between two groups; every output carries the version
+that produced all of its samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._model import build_model
+from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
+from ._sampling import generate_rows, sample_seed
+from ._types import EngineHealth, GroupOutput, GroupRequest, SamplingParams, check_requests
+
+_log = logging.getLogger(__name__)
+
+
+class EmbeddedEngine:
+    """A generation engine over a Hugging Face causal LM.
+
+    Args:
+        model: what :func:`build_model` accepts (a ``ppo_trainer.ModelSpec``, a
+            ``transformers`` config or a local model directory).
+        run_seed: the run's seed; sample ``j`` of prompt ``i`` generated with weight
+            version ``v`` draws from ``sample_seed(run_seed, i, j, v)``.
+        engine_id: a name for logs and outputs.
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when visible).
+        num_threads: torch intra-op threads on CPU (default 1: engines share cores).
+        batch_groups: decode the groups of one ``generate`` call that share a prompt
+            length as one batch (deterministic on batch-invariant kernels, e.g. CPU).
+        weight_version: the version of the initial weights.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        run_seed: int,
+        engine_id: str = "engine",
+        device: str = "cpu",
+        num_threads: int | None = 1,
+        batch_groups: bool = True,
+        weight_version: int = 0,
+    ) -> None:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if num_threads is not None and device == "cpu":
+            torch.set_num_threads(num_threads)
+        self.engine_id = engine_id
+        self.run_seed = int(run_seed)
+        self.device = torch.device(device)
+        self.batch_groups = batch_groups
+        self.model = build_model(model, device=str(self.device))
+        self.weight_version = int(weight_version)
+        self.incarnation = uuid.uuid4().hex
+        self.groups_served = 0
+        self._lock = threading.Lock()
+        self._running = threading.Condition()
+        self._busy = 0
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._released = False
+        self._host_copy: dict[str, torch.Tensor] | None = None
+        self._groups: dict[str, RefitGroup] = {}
+        self._slow_step_s = 0.0
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
+        """Generate every group; one output per request, in order. Groups whose prompts
+        have the same length are decoded together as one batch (``batch_groups``)."""
+        check_requests(requests)
+        by_length: dict[int, list[GroupRequest]] = {}
+        for req in requests:
+            key = len(req.prompt_ids) if self.batch_groups else -req.prompt_index - 1
+            by_length.setdefault(key, []).append(req)
+        done: dict[int, GroupOutput] = {}
+        for batch in by_length.values():
+            for out in self._generate_batch(batch):
+                done[out.prompt_index] = out
+        return [done[req.prompt_index] for req in requests]
+
+    def _generate_batch(self, batch: Sequence[GroupRequest]) -> list[GroupOutput]:
+        while True:
+            self._unpaused.wait()
+            with self._running:
+                if self._unpaused.is_set():
+                    self._busy += 1
+                    break
+        try:
+            with self._lock:
+                if self._released:
+                    raise RuntimeError(
+                        f"engine {self.engine_id}: generate() while memory is released; "
+                        "call resume_memory() first"
+                    )
+                version = self.weight_version
+                prompts: list[tuple[int, ...]] = []
+                params: list[SamplingParams] = []
+                seeds: list[int] = []
+                for req in batch:
+                    for j in range(req.params.n):
+                        prompts.append(req.prompt_ids)
+                        params.append(req.params)
+                        seeds.append(
+                            sample_seed(
+                                run_seed=self.run_seed,
+                                prompt_index=req.prompt_index,
+                                sample_index=j,
+                                weight_version=version,
+                            )
+                        )
+                samples = generate_rows(
+                    self.model,
+                    prompts,
+                    params=params,
+                    seeds=seeds,
+                    device=self.device,
+                    between_steps=self._between_steps if self._slow_step_s > 0 else None,
+                )
+                self.groups_served += len(batch)
+        finally:
+            with self._running:
+                self._busy -= 1
+                self._running.notify_all()
+        outputs: list[GroupOutput] = []
+        k = 0
+        for req in batch:
+            outputs.append(
+                GroupOutput(
+                    prompt_index=req.prompt_index,
+                    prompt_ids=tuple(req.prompt_ids),
+                    samples=tuple(samples[k : k + req.params.n]),
+                    weight_version=version,
+                    engine_id=self.engine_id,
+                )
+            )
+            k += req.params.n
+        return outputs
+
+    def _between_steps(self) -> None:
+        time.sleep(self._slow_step_s)
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Testing aid: sleep this long between decode steps (0 disables)."""
+        self._slow_step_s = float(seconds)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def pause_generation(self) -> None:
+        """Start no new group; return once the running one (if any) finished."""
+        with self._running:
+            self._unpaused.clear()
+            while self._busy > 0:
+                self._running.wait()
+
+    def continue_generation(self) -> None:
+        self._unpaused.set()
+
+    def release_memory(self) -> None:
+        """Move the weights off the device (a host copy); idempotent. On CPU the copy is
+        the weights themselves and only the state changes."""
+        with self._lock:
+            if self._released:
+                _log.info(
+                    "engine %s: release_memory() while released; nothing to do", self.engine_id
+                )
+                return
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+
+    def resume_memory(self) -> None:
+        with self._lock:
+            if not self._released:
+                _log.info(
+                    "engine %s: resume_memory() while resident; nothing to do", self.engine_id
+                )
+                return
+            if self.device.type == "cuda":
+                self.model.to(self.device)
+            self._released = False
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            alive=True,
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            weight_version=self.weight_version,
+            paused=not self._unpaused.is_set(),
+            memory_released=self._released,
+            groups_served=self.groups_served,
+            extra={"pid": os.getpid(), "device": str(self.device)},
+        )
+
+    # -- weights ----------------------------------------------------------------------------
+    def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> int:
+        params = self.model.state_dict()
+        missing = sorted(set(params) - set(tensors))
+        unknown = sorted(set(tensors) - set(params))
+        if unknown or missing:
+            raise ValueError(
+                f"engine {self.engine_id}: weights for version {version} do not match the "
+                f"model (missing {missing[:5]}, unknown {unknown[:5]}); the engine and the "
+                "trainer must build the same architecture"
+            )
+        with self._lock, torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+            self.weight_version = int(version)
+        return self.weight_version
+
+    def init_refit_group(
+        self,
+        *,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        group_name: str,
+    ) -> None:
+        local = master_addr
+        if master_addr not in ("127.0.0.1", "localhost"):
+            import ray
+
+            local = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        self._groups[group_name] = connect_group(
+            store=None,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            local_addr=local,
+        )
+
+    def receive_weights(self, *, group_name: str) -> int:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(
+                f"engine {self.engine_id}: no refit group {group_name!r}; call init_refit_group first"
+            )
+        version, tensors = receive_state_dict(group=group)
+        return self._apply(version, tensors)
+
+    def update_weights_from_disk(self, path: str, *, version: int) -> int:
+        disk_version, tensors = load_weights_from_disk(path)
+        if disk_version != version:
+            raise ValueError(
+                f"engine {self.engine_id}: {path} holds version {disk_version}, not {version}"
+            )
+        return self._apply(version, tensors)
+
+    def update_weights(self, tensors: Mapping[str, torch.Tensor], *, version: int) -> int:
+        """Apply in-memory tensors (tests, and a driver that already holds them)."""
+        return self._apply(version, tensors)
+
+    def crash(self) -> None:
+        """Testing aid: kill this engine's process (Ray restarts the actor)."""
+        os._exit(1)
+
+
+def launch_embedded_engines(
+    count: int,
+    *,
+    model: Any,
+    run_seed: int,
+    scheduling_strategies: Sequence[Any] | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    device: str = "cpu",
+    max_restarts: int = -1,
+    max_concurrency: int = 8,
+    batch_groups: bool = True,
+    name_prefix: str = "engine",
+) -> list[Any]:
+    """Start ``count`` :class:`EmbeddedEngine` Ray actors.
+
+    ``scheduling_strategies[i]`` (e.g. a rollout bundle's strategy from
+    ``ppo_placement``) places engine ``i``. Ray restarts a dead engine up to
+    ``max_restarts`` times (``-1``: always); calls in flight are NOT retried by Ray
+    (``max_task_retries=0``): the rollout manager re-dispatches their groups itself, so
+    each group is generated exactly once.
+    """
+    import ray
+
+    if count < 1:
+        raise ValueError(f"count={count}: start at least one engine")
+    if scheduling_strategies is not None and len(scheduling_strategies) != count:
+        raise ValueError(
+            f"got {len(scheduling_strategies)} scheduling strategies for {count} engines"
+        )
+    cls = ray.remote(EmbeddedEngine)
+    handles = []
+    for i in range(count):
+        opts: dict[str, Any] = {
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            "max_restarts": max_restarts,
+            "max_task_retries": 0,
+            "max_concurrency": max_concurrency,
+        }
+        if scheduling_strategies is not None:
+            opts["scheduling_strategy"] = scheduling_strategies[i]
+        handles.append(
+            cls.options(**opts).remote(
+                model=model,
+                run_seed=run_seed,
+                engine_id=f"{name_prefix}-{i}",
+                device=device,
+                batch_groups=batch_groups,
+            )
+        )
+    return handles

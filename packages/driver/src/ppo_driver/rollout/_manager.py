@@ -1,0 +1,341 @@
+"""The rollout manager: dispatches prompt groups to engines (bounded in flight,
+admitted through the sampler's lookahead), scores finished groups, files them in the
+replay buffer and reports them ready to the sampler, and re-dispatches the groups of an
+engine that died once it is back (exactly once per loss).
+
+Prompts are consumed in order: step ``s`` is filled with ``prompts_per_step`` groups;
+a group whose reward failed is recorded in :attr:`RolloutManager.failures` and replaced
+by the next prompt for the same step, so every step still gets its full batch. The
+group id is the global prompt index.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ._buffer import ReplayBuffer, build_batch
+from ._task import PromptDataset, RewardError, RewardFn, score_group
+from ._types import GroupOutput, GroupRequest, SamplingParams
+
+_log = logging.getLogger(__name__)
+_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GroupFailure:
+    """A group that will not be trained on, and why."""
+
+    group_id: int
+    step: int
+    message: str
+
+
+@dataclass(slots=True)
+class _Call:
+    engine: int
+    groups: list[tuple[int, int]]  # (group id, step)
+
+
+class RolloutManager:
+    """Drives generation for the train pump.
+
+    Args:
+        engines: Ray actor handles of :class:`RolloutEngine` implementations.
+        dataset: where prompt ``i`` comes from.
+        sampler: a ``ppo_sampler`` sampler (``in_order`` / ``ready_first``); the manager
+            calls ``can_dispatch`` (admission) and ``add`` (readiness).
+        reward_fn: see :func:`load_reward_fn`.
+        params: sampling parameters of every group.
+        prompts_per_step: groups per training step (``ppo.num_prompts_per_step``).
+        max_in_flight: the most groups dispatched and not yet returned.
+        buffer: the replay buffer (a new one by default).
+        groups_per_call: groups sent to an engine in one ``generate`` call.
+        on_engine_restart: called as ``hook(index, handle)`` when a restarted engine is
+            back, before it gets work (e.g. to push the current weights to it).
+    """
+
+    def __init__(
+        self,
+        *,
+        engines: Sequence[Any],
+        dataset: PromptDataset,
+        sampler: Any,
+        reward_fn: RewardFn,
+        params: SamplingParams,
+        prompts_per_step: int,
+        max_in_flight: int,
+        buffer: ReplayBuffer | None = None,
+        groups_per_call: int = 1,
+        on_engine_restart: Callable[[int, Any], None] | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step={prompts_per_step}: use at least 1")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight}: allow at least one group in flight")
+        if groups_per_call < 1:
+            raise ValueError(f"groups_per_call={groups_per_call}: use at least 1")
+        self.engines = list(engines)
+        self.dataset = dataset
+        self.sampler = sampler
+        self.reward_fn = reward_fn
+        self.params = params
+        self.prompts_per_step = prompts_per_step
+        self.max_in_flight = max_in_flight
+        self.buffer = buffer if buffer is not None else ReplayBuffer()
+        self.groups_per_call = groups_per_call
+        self.on_engine_restart = on_engine_restart
+        # dispatch position
+        self.next_prompt = 0
+        self._fill_step = 0
+        self._assigned: Counter[int] = Counter()  # step -> groups not failed
+        self._pending: deque[tuple[int, int]] = deque()  # lost in flight, to re-dispatch
+        self._in_flight: dict[Any, _Call] = {}
+        self._alive = [True] * len(self.engines)
+        self._probes: dict[int, Any] = {}
+        self._incarnations: list[str | None] = [None] * len(self.engines)
+        # records
+        self.failures: list[GroupFailure] = []
+        self.dispatch_counts: Counter[int] = Counter()
+        self.redispatched: list[int] = []
+        self.peak_in_flight = 0
+        self.max_step_dispatched = -1
+
+    # -- inspection -------------------------------------------------------------------------
+    @property
+    def groups_in_flight(self) -> int:
+        return sum(len(c.groups) for c in self._in_flight.values())
+
+    def in_flight_ids(self) -> list[int]:
+        return [g for c in self._in_flight.values() for g, _ in c.groups]
+
+    def idle(self) -> bool:
+        """Nothing in flight and nothing waiting for re-dispatch."""
+        return not self._in_flight and not self._pending
+
+    # -- the pump -----------------------------------------------------------------------------
+    def pump(self, *, trainer_step: int, timeout_s: float = 0.0) -> list[int]:
+        """Dispatch what may be dispatched, wait up to ``timeout_s`` for results, file
+        them, dispatch again. Returns the group ids that became ready (in order)."""
+        import ray
+
+        self._probe_dead()
+        self._dispatch(trainer_step)
+        ready: list[int] = []
+        if self._in_flight:
+            done, _ = ray.wait(list(self._in_flight), num_returns=1, timeout=timeout_s)
+            if done:
+                more, _ = ray.wait(
+                    list(self._in_flight), num_returns=len(self._in_flight), timeout=0
+                )
+                done = list(dict.fromkeys([*done, *more]))
+            for ref in done:
+                ready.extend(self._collect(ref))
+        elif timeout_s > 0 and (self._pending or self._probes):
+            self._wait_probes(timeout_s)
+        self._probe_dead()
+        self._dispatch(trainer_step)
+        return ready
+
+    def _step_to_fill(self) -> int:
+        """The lowest step that still lacks groups (a failure reopens its step)."""
+        while self._assigned[self._fill_step] >= self.prompts_per_step:
+            self._fill_step += 1
+        return self._fill_step
+
+    def _next_groups(self, trainer_step: int, limit: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while self._pending and len(out) < limit:
+            out.append(self._pending.popleft())
+        while len(out) < limit:
+            step = self._step_to_fill()
+            if not self.sampler.can_dispatch(step, trainer_step=trainer_step):
+                break
+            gid = self.next_prompt
+            self.next_prompt += 1
+            self._assigned[step] += 1
+            out.append((gid, step))
+        return out
+
+    def _dispatch(self, trainer_step: int) -> None:
+        while True:
+            room = self.max_in_flight - self.groups_in_flight
+            alive = [i for i, ok in enumerate(self._alive) if ok]
+            if room <= 0 or not alive:
+                return
+            load = Counter(c.engine for c in self._in_flight.values() for _ in c.groups)
+            engine = min(alive, key=lambda i: (load[i], i))
+            groups = self._next_groups(trainer_step, min(room, self.groups_per_call))
+            if not groups:
+                return
+            requests = [
+                GroupRequest(
+                    prompt_index=g, prompt_ids=self.dataset.prompt_ids(g), params=self.params
+                )
+                for g, _ in groups
+            ]
+            ref = self.engines[engine].generate.remote(requests)
+            self._in_flight[ref] = _Call(engine=engine, groups=groups)
+            for g, s in groups:
+                self.dispatch_counts[g] += 1
+                self.max_step_dispatched = max(self.max_step_dispatched, s)
+            self.peak_in_flight = max(self.peak_in_flight, self.groups_in_flight)
+
+    def _collect(self, ref: Any) -> list[int]:
+        import ray
+        from ray.exceptions import RayActorError
+
+        call = self._in_flight.pop(ref)
+        try:
+            outputs: list[GroupOutput] = ray.get(ref)
+        except RayActorError as exc:
+            _log.warning(
+                "engine %d died with %d group(s) in flight (%s); they will be re-dispatched "
+                "once it is back",
+                call.engine,
+                len(call.groups),
+                type(exc).__name__,
+            )
+            self._mark_dead(call.engine)
+            for g, s in reversed(call.groups):
+                self._pending.appendleft((g, s))
+                self.redispatched.append(g)
+            return []
+        ready: list[int] = []
+        for (gid, step), out in zip(call.groups, outputs, strict=True):
+            assert out.prompt_index == gid, (out.prompt_index, gid)
+            try:
+                scored = score_group(
+                    out,
+                    record=self.dataset.record(gid),
+                    reward_fn=self.reward_fn,
+                    tokenizer=self.dataset.tokenizer,
+                )
+            except RewardError as exc:
+                _log.error("group %d (step %d) failed and is not trained on: %s", gid, step, exc)
+                self.failures.append(GroupFailure(group_id=gid, step=step, message=str(exc)))
+                self._assigned[step] -= 1
+                self._fill_step = min(self._fill_step, step)
+                continue
+            self.buffer.add(scored, step=step)
+            self.sampler.add(gid, step=step, weight_version=out.weight_version)
+            ready.append(gid)
+        return ready
+
+    # -- engine restarts -------------------------------------------------------------------
+    def _mark_dead(self, engine: int) -> None:
+        if self._alive[engine]:
+            self._alive[engine] = False
+            self._probes[engine] = self.engines[engine].health.remote()
+
+    def _wait_probes(self, timeout_s: float) -> None:
+        import ray
+
+        if self._probes:
+            ray.wait(list(self._probes.values()), num_returns=1, timeout=timeout_s)
+
+    def _probe_dead(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        for engine, probe in list(self._probes.items()):
+            done, _ = ray.wait([probe], timeout=0)
+            if not done:
+                continue
+            try:
+                health = ray.get(probe)
+            except RayActorError:
+                self._probes[engine] = self.engines[engine].health.remote()
+                continue
+            del self._probes[engine]
+            _log.warning("engine %d is back (incarnation %s)", engine, health.incarnation[:8])
+            if self.on_engine_restart is not None:
+                self.on_engine_restart(engine, self.engines[engine])
+            self._incarnations[engine] = health.incarnation
+            self._alive[engine] = True
+
+    # -- training side ------------------------------------------------------------------------
+    def claim(self, group_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Claim the groups the sampler selected in the replay buffer and build their
+        batch (see :func:`build_batch`)."""
+        groups = self.buffer.claim(group_ids)
+        return build_batch(groups, pad_id=self.dataset.tokenizer.pad_id)
+
+    def unclaim(self, group_ids: Sequence[int]) -> None:
+        """Undo ``select`` + :meth:`claim` for a failed chunk."""
+        self.buffer.unclaim(group_ids)
+        self.sampler.release_claim(group_ids)
+
+    def release(self, group_ids: Iterable[int]) -> None:
+        """After BOTH updates of the step: drop the rows and tell the sampler."""
+        ids = list(group_ids)
+        self.buffer.release(ids)
+        self.sampler.mark_consumed(ids)
+
+    def redispatch_evicted(self) -> list[int]:
+        """Groups a ``ready_first`` sampler evicted as stale: drop them from the buffer
+        and queue their prompts again (they regenerate with newer weights)."""
+        evicted = [int(g) for g in self.sampler.pop_evicted()]
+        steps = [self.buffer.step_of(g) for g in evicted]
+        self.buffer.drop(evicted)
+        self._pending.extend(zip(evicted, steps, strict=True))
+        return evicted
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(JSON metadata, tensors): dispatch position, the groups in flight or waiting
+        (re-dispatched on load), failures, and the replay buffer."""
+        buf_meta, tensors = self.buffer.state_dict()
+        lost = [[g, s] for c in self._in_flight.values() for g, s in c.groups]
+        lost += [[g, s] for g, s in self._pending]
+        meta = {
+            "format": _FORMAT,
+            "next_prompt": self.next_prompt,
+            "assigned": {str(k): v for k, v in self._assigned.items()},
+            "to_dispatch": lost,
+            "failures": [[f.group_id, f.step, f.message] for f in self.failures],
+            "buffer": buf_meta,
+        }
+        return meta, tensors
+
+    def load_state_dict(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a snapshot; must be called before any dispatch."""
+        if self._in_flight:
+            raise ValueError("RolloutManager.load_state_dict: groups are in flight; load first")
+        if meta.get("format") != _FORMAT:
+            raise ValueError(
+                f"RolloutManager.load_state_dict: unknown format {meta.get('format')!r}"
+            )
+        self.buffer.load_state_dict(meta["buffer"], tensors)
+        self.next_prompt = int(meta["next_prompt"])
+        self._assigned = Counter({int(k): int(v) for k, v in meta["assigned"].items()})
+        self._fill_step = 0
+        self._pending = deque((int(g), int(s)) for g, s in meta["to_dispatch"])
+        self.failures = [GroupFailure(int(g), int(s), str(m)) for g, s, m in meta["failures"]]
+
+    def save(self, path: str | Path) -> None:
+        """``rollout.json`` + ``rollout.safetensors`` in directory ``path`` (aside, then renamed)."""
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        meta, tensors = self.state_dict()
+        save_file(tensors, str(d / "rollout.safetensors.tmp"))
+        os.replace(d / "rollout.safetensors.tmp", d / "rollout.safetensors")
+        (d / "rollout.json.tmp").write_text(json.dumps(meta))
+        os.replace(d / "rollout.json.tmp", d / "rollout.json")
+
+    def load(self, path: str | Path) -> None:
+        d = Path(path)
+        self.load_state_dict(
+            json.loads((d / "rollout.json").read_text()), load_file(str(d / "rollout.safetensors"))
+        )

@@ -1,0 +1,414 @@
+"""Weight refit: actor rank 0 -> every engine.
+
+Transport: a private torch.distributed process group (gloo on CPU, NCCL on GPU) made
+from its own TCP store, so it never touches the trainer's default group. One refit is a
+JSON header (version + bucket layout) followed by one flat byte buffer per bucket, each
+at most ``bucket_bytes`` (a tensor larger than that travels alone). Fallback: a
+safetensors directory (:func:`save_weights_to_disk` / :func:`load_weights_from_disk`).
+
+The sender runs inside the actor's process: :class:`WeightRefitter` calls
+:func:`sender_connect` / :func:`sender_broadcast` there through Ray's ``__ray_call__``
+(they receive the actor instance and use its ``export_weights()``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+_log = logging.getLogger(__name__)
+_c10d: Any = dist  # the c10d classes used here are not in torch.distributed's stubs
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPE_NAMES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"refit: tensors of dtype {dtype} are not supported")
+
+
+def plan_buckets(sizes: Sequence[int], *, bucket_bytes: int) -> list[list[int]]:
+    """Group tensor indices, in order, into buckets of at most ``bucket_bytes`` bytes;
+    a tensor larger than the bound gets a bucket of its own. Pure.
+
+    >>> plan_buckets([4, 4, 4, 10, 1], bucket_bytes=8)
+    [[0, 1], [2], [3], [4]]
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: use a positive byte count")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if current and used + size > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# -- process groups ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RefitGroup:
+    """A private process group: rank 0 sends, ranks 1.. receive."""
+
+    pg: Any
+    rank: int
+    world_size: int
+    device: torch.device
+    store: Any
+
+
+def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
+    """The master TCP store (rank 0); binds a free port and returns (store, port)."""
+    store = _c10d.TCPStore(
+        host,
+        0,
+        world_size,
+        True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return store, int(store.port)
+
+
+def connect_group(
+    *,
+    store: Any | None,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float = 120.0,
+    local_addr: str | None = None,
+) -> RefitGroup:
+    """Join the group (blocks until all ``world_size`` ranks joined). ``local_addr``:
+    the address this rank's gloo transport binds (default ``master_addr``)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = _c10d.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
+    if backend == "gloo":
+        opts = _c10d.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [_c10d.ProcessGroupGloo.create_device(hostname=local_addr or master_addr)]
+        pg: Any = _c10d.ProcessGroupGloo(store, rank, world_size, opts)
+        device = torch.device("cpu")
+    elif backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("refit backend='nccl' needs CUDA; use backend='gloo' on CPU")
+        nccl_opts = _c10d.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        pg = _c10d.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise ValueError(f"refit backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+    return RefitGroup(pg=pg, rank=rank, world_size=world_size, device=device, store=store)
+
+
+def _broadcast(group: RefitGroup, tensor: torch.Tensor) -> None:
+    opts = _c10d.BroadcastOptions()
+    opts.rootRank = 0
+    group.pg.broadcast([tensor], opts).wait()
+
+
+# -- wire format ------------------------------------------------------------------------
+
+
+def broadcast_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    group: RefitGroup,
+    version: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> dict[str, float]:
+    """Send ``state_dict`` (any device) to every other rank of ``group``; rank 0 only.
+    Returns ``{"bytes", "buckets", "seconds"}``."""
+    if group.rank != 0:
+        raise ValueError(f"broadcast_state_dict runs on rank 0, not rank {group.rank}")
+    start = time.perf_counter()
+    names = list(state_dict)
+    tensors = [state_dict[n].detach() for n in names]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    buckets = plan_buckets(sizes, bucket_bytes=bucket_bytes)
+    header = {
+        "version": int(version),
+        "tensors": [
+            {"name": n, "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+            for n, t in zip(names, tensors, strict=True)
+        ],
+        "buckets": buckets,
+    }
+    raw = json.dumps(header).encode()
+    _broadcast(group, torch.tensor([len(raw)], dtype=torch.int64, device=group.device))
+    _broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device))
+    for bucket in buckets:
+        flat = torch.cat(
+            [tensors[i].to(group.device).contiguous().reshape(-1).view(torch.uint8) for i in bucket]
+        )
+        _broadcast(group, flat)
+    return {
+        "bytes": float(sum(sizes)),
+        "buckets": float(len(buckets)),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def receive_state_dict(*, group: RefitGroup) -> tuple[int, dict[str, torch.Tensor]]:
+    """Receive one :func:`broadcast_state_dict`; returns (version, tensors on the
+    group's device)."""
+    length = torch.zeros(1, dtype=torch.int64, device=group.device)
+    _broadcast(group, length)
+    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    _broadcast(group, raw)
+    header = json.loads(bytes(raw.cpu().tolist()).decode())
+    specs = header["tensors"]
+    out: dict[str, torch.Tensor] = {}
+    for bucket in header["buckets"]:
+        shapes = [tuple(specs[i]["shape"]) for i in bucket]
+        dtypes = [_DTYPE_NAMES[specs[i]["dtype"]] for i in bucket]
+        nbytes = [
+            int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size()
+            for s, d in zip(shapes, dtypes, strict=True)
+        ]
+        flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=group.device)
+        _broadcast(group, flat)
+        offset = 0
+        for i, shape, dtype, nb in zip(bucket, shapes, dtypes, nbytes, strict=True):
+            out[specs[i]["name"]] = flat[offset : offset + nb].view(dtype).reshape(shape).clone()
+            offset += nb
+    return int(header["version"]), out
+
+
+# -- the sender side, run in the actor's process via ``actor.__ray_call__`` --------------
+
+_SENDERS: dict[str, tuple[Any, RefitGroup | None]] = {}
+
+
+def sender_open(
+    _worker: Any, *, group_name: str, host: str, world_size: int, timeout_s: float
+) -> int:
+    """Open the master store for ``group_name`` in this process; returns its port."""
+    old = _SENDERS.pop(group_name, None)
+    if old is not None:
+        _log.info("refit group %r re-opened; dropping the old one", group_name)
+    store, port = open_store(host=host, world_size=world_size, timeout_s=timeout_s)
+    _SENDERS[group_name] = (store, None)
+    return port
+
+
+def sender_connect(
+    _worker: Any, *, group_name: str, host: str, world_size: int, backend: str, timeout_s: float
+) -> None:
+    """Join ``group_name`` as rank 0 (blocks until every engine joined)."""
+    store, _ = _SENDERS[group_name]
+    group = connect_group(
+        store=store,
+        master_addr=host,
+        master_port=0,
+        rank=0,
+        world_size=world_size,
+        backend=backend,
+        timeout_s=timeout_s,
+    )
+    _SENDERS[group_name] = (store, group)
+
+
+def sender_broadcast(
+    worker: Any, *, group_name: str, version: int, bucket_bytes: int
+) -> dict[str, float]:
+    """Broadcast ``worker.export_weights()`` as ``version`` over ``group_name``."""
+    _, group = _SENDERS[group_name]
+    if group is None:
+        raise RuntimeError(f"refit group {group_name!r} is not connected; call setup() first")
+    return broadcast_state_dict(
+        worker.export_weights(), group=group, version=version, bucket_bytes=bucket_bytes
+    )
+
+
+def sender_save(worker: Any, *, path: str, version: int) -> str:
+    """Write ``worker.export_weights()`` to a safetensors directory."""
+    return save_weights_to_disk(worker.export_weights(), path, version=version)
+
+
+# -- disk fallback ------------------------------------------------------------------------
+
+
+def save_weights_to_disk(
+    state_dict: Mapping[str, torch.Tensor], path: str | Path, *, version: int
+) -> str:
+    """Write ``model.safetensors`` + ``refit.json`` (the version) into directory ``path``
+    (aside, then renamed). Tied tensors are stored once per name (cloned)."""
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    tmp = d / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"version": str(version)})
+    os.replace(tmp, d / "model.safetensors")
+    (d / "refit.json.tmp").write_text(json.dumps({"version": int(version)}))
+    os.replace(d / "refit.json.tmp", d / "refit.json")
+    return str(d)
+
+
+def load_weights_from_disk(path: str | Path) -> tuple[int, dict[str, torch.Tensor]]:
+    d = Path(path)
+    version = int(json.loads((d / "refit.json").read_text())["version"])
+    return version, load_file(str(d / "model.safetensors"))
+
+
+# -- driver side ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RefitStats:
+    version: int
+    bytes: int
+    buckets: int
+    seconds: float
+    transport: str
+
+
+class WeightRefitter:
+    """Pushes the actor's weights (rank 0, a Ray actor with ``export_weights()``) to
+    every engine (Ray actors implementing :class:`RolloutEngine`).
+
+    ``refit(version=...)`` re-creates the group first when an engine was restarted
+    since ``setup()`` (its incarnation changed), so a dead engine never wedges a refit.
+    """
+
+    def __init__(
+        self,
+        *,
+        actor: Any,
+        engines: Sequence[Any],
+        backend: str = "gloo",
+        master_addr: str = "127.0.0.1",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        group_name: str = "ppo_refit",
+        timeout_s: float = 120.0,
+    ) -> None:
+        if not engines:
+            raise ValueError("WeightRefitter needs at least one engine")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"refit backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: use a positive byte count")
+        self.actor = actor
+        self.engines = list(engines)
+        self.backend = backend
+        self.master_addr = master_addr
+        self.bucket_bytes = bucket_bytes
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self._incarnations: list[str] | None = None
+        self._generation = 0
+
+    def _name(self) -> str:
+        return f"{self.group_name}.{self._generation}"
+
+    def setup(self) -> None:
+        """Create the process group (actor rank 0, engine i rank i + 1)."""
+        import ray
+
+        self._generation += 1
+        world = len(self.engines) + 1
+        kw = {"group_name": self._name(), "host": self.master_addr, "world_size": world}
+        port = ray.get(self.actor.__ray_call__.remote(sender_open, timeout_s=self.timeout_s, **kw))
+        joins = [
+            e.init_refit_group.remote(
+                master_addr=self.master_addr,
+                master_port=port,
+                rank=i + 1,
+                world_size=world,
+                backend=self.backend,
+                group_name=self._name(),
+            )
+            for i, e in enumerate(self.engines)
+        ]
+        sender = self.actor.__ray_call__.remote(
+            sender_connect, backend=self.backend, timeout_s=self.timeout_s, **kw
+        )
+        ray.get([sender, *joins])
+        self._incarnations = [
+            h.incarnation for h in ray.get([e.health.remote() for e in self.engines])
+        ]
+
+    def _engines_restarted(self) -> bool:
+        import ray
+
+        now = [h.incarnation for h in ray.get([e.health.remote() for e in self.engines])]
+        return now != self._incarnations
+
+    def refit(self, *, version: int) -> RefitStats:
+        """Broadcast the actor's current weights as ``version``; returns once every
+        engine holds them (each applies them between two groups)."""
+        import ray
+
+        if self._incarnations is None or self._engines_restarted():
+            self.setup()
+        start = time.perf_counter()
+        receives = [e.receive_weights.remote(group_name=self._name()) for e in self.engines]
+        send = self.actor.__ray_call__.remote(
+            sender_broadcast,
+            group_name=self._name(),
+            version=version,
+            bucket_bytes=self.bucket_bytes,
+        )
+        stats, *versions = ray.get([send, *receives])
+        if any(v != version for v in versions):
+            raise RuntimeError(f"refit to version {version}: engines report {versions}")
+        return RefitStats(
+            version=version,
+            bytes=int(stats["bytes"]),
+            buckets=int(stats["buckets"]),
+            seconds=time.perf_counter() - start,
+            transport=self.backend,
+        )
+
+    def refit_from_disk(self, *, version: int, path: str | Path) -> RefitStats:
+        """The fallback: the actor writes a safetensors directory, every engine loads it."""
+        import ray
+
+        start = time.perf_counter()
+        ray.get(self.actor.__ray_call__.remote(sender_save, path=str(path), version=version))
+        versions = ray.get(
+            [e.update_weights_from_disk.remote(str(path), version=version) for e in self.engines]
+        )
+        if any(v != version for v in versions):
+            raise RuntimeError(f"disk refit to version {version}: engines report {versions}")
+        size = (Path(path) / "model.safetensors").stat().st_size
+        return RefitStats(
+            version=version,
+            bytes=size,
+            buckets=1,
+            seconds=time.perf_counter() - start,
+            transport="disk",
+        )

@@ -1,0 +1,177 @@
+"""The embedded engine's sampling loop: batched KV-cache decoding of one prompt group,
+with one ``torch.Generator`` per sample so every sample's tokens depend only on
+(run seed, prompt index, sample index, weight version) and the weights."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._types import FinishReason, SampleOutput, SamplingParams
+
+_SEED_MASK = (1 << 63) - 1
+_MIN_BATCH_ROWS = 4
+
+
+def sample_seed(*, run_seed: int, prompt_index: int, sample_index: int, weight_version: int) -> int:
+    """A 63-bit seed for one sample's random stream (stable across processes and runs)."""
+    key = f"{run_seed}/{prompt_index}/{sample_index}/{weight_version}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs: [V] -> [V], the smallest prefix (by probability) whose mass reaches
+    ``top_p`` kept and renormalised; the most likely token is always kept."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=0)
+    drop = (cumulative - sorted_probs) >= top_p
+    drop[0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return filtered / filtered.sum()
+
+
+def _draw_one(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[int, float]:
+    """logits: [V] -> (token, its log-prob under ``log_softmax(logits / temperature)``)."""
+    scale = params.temperature if params.temperature > 0 else 1.0
+    # a fresh copy: the row's memory alignment inside the batch must not matter
+    logp = torch.log_softmax(logits.float().clone() / scale, dim=-1)
+    if params.temperature == 0.0:
+        tok = int(torch.argmax(logp).item())
+    else:
+        probs = _top_p_filter(logp.exp(), params.top_p)
+        tok = int(torch.multinomial(probs, 1, generator=gen).item())
+    return tok, float(logp[tok].item())
+
+
+def draw_tokens(
+    logits: torch.Tensor,
+    *,
+    params: SamplingParams | Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> tuple[list[int], list[float]]:
+    """One decoding step: row ``i`` of ``logits`` ([R, V]) draws with ``generators[i]``
+    (and ``params[i]`` when a sequence is given).
+
+    Returns (token ids [R], log-probs [R]); the log-prob is taken under
+    ``log_softmax(logits / temperature)`` (``temperature == 0``: greedy, the log-prob
+    under ``log_softmax(logits)``), before top-p filtering.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(generators):
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match {len(generators)} generators"
+        )
+    per_row = [params] * len(generators) if isinstance(params, SamplingParams) else list(params)
+    drawn = [_draw_one(logits[i], per_row[i], g) for i, g in enumerate(generators)]
+    return [t for t, _ in drawn], [lp for _, lp in drawn]
+
+
+@torch.inference_mode()
+def generate_rows(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    device: torch.device | str = "cpu",
+    between_steps: Callable[[], None] | None = None,
+) -> list[SampleOutput]:
+    """Sample one continuation per row with a Hugging Face causal LM and its KV cache.
+
+    prompts: R token sequences of EQUAL length (no padding is ever used); row ``i``
+    samples with ``params[i]`` and a generator seeded with ``seeds[i]``. Rows leave the
+    batch as they finish (``batch_select_indices`` on the cache), but the batch never
+    shrinks below 4 rows: torch's CPU GEMM rounds differently for fewer rows, and with
+    that floor each row's arithmetic is bitwise independent of the other rows (tested),
+    so a sample depends only on its prompt, its seed and the weights, not on which rows
+    shared its batch.
+    """
+    rows = len(prompts)
+    if not (len(params) == len(seeds) == rows) or rows == 0:
+        raise ValueError(f"generate_rows: {rows} prompts, {len(params)} params, {len(seeds)} seeds")
+    length = len(prompts[0])
+    if any(len(p) != length for p in prompts):
+        raise ValueError("generate_rows: prompts must have equal lengths (no padding)")
+    gens = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds]
+    stops = [set(p.stop_token_ids) for p in params]
+    # slots[k]: the row decoded in batch position k, or -1 for a ballast row that keeps
+    # the batch at >= _MIN_BATCH_ROWS (CPU GEMM kernels round differently below that)
+    slots = list(range(rows)) + [-1] * max(0, _MIN_BATCH_ROWS - rows)
+    ids = torch.tensor(
+        [list(prompts[r if r >= 0 else 0]) for r in slots], dtype=torch.long, device=device
+    )
+    out = model(input_ids=ids, use_cache=True)
+    past = out.past_key_values
+    logits = out.logits[:, -1, :].to("cpu")
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    reasons: list[FinishReason | None] = [None] * rows
+    while True:
+        live = [k for k, r in enumerate(slots) if r >= 0]
+        drawn, lps = draw_tokens(
+            logits[live],
+            params=[params[slots[k]] for k in live],
+            generators=[gens[slots[k]] for k in live],
+        )
+        feed = [0] * len(slots)
+        for k, tok, lp in zip(live, drawn, lps, strict=True):
+            r = slots[k]
+            tokens[r].append(tok)
+            logprobs[r].append(lp)
+            feed[k] = tok
+            if tok in stops[r]:
+                reasons[r] = "stop"
+            elif len(tokens[r]) >= params[r].max_new_tokens:
+                reasons[r] = "length"
+            if reasons[r] is not None:
+                slots[k] = -1
+        keep = [k for k, r in enumerate(slots) if r >= 0]
+        if not keep:
+            break
+        if between_steps is not None:
+            between_steps()
+        ballast = [k for k, r in enumerate(slots) if r < 0][: max(0, _MIN_BATCH_ROWS - len(keep))]
+        keep = sorted(keep + ballast)
+        if len(keep) < len(slots):
+            past.batch_select_indices(torch.tensor(keep, dtype=torch.long, device=device))
+            slots = [slots[k] for k in keep]
+            feed = [feed[k] for k in keep]
+        out = model(
+            input_ids=torch.tensor([[t] for t in feed], dtype=torch.long, device=device),
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = out.past_key_values
+        logits = out.logits[:, -1, :].to("cpu")
+    return [
+        SampleOutput(
+            token_ids=tuple(tokens[r]),
+            logprobs=tuple(logprobs[r]),
+            finish_reason=reasons[r] or "length",
+        )
+        for r in range(rows)
+    ]
+
+
+def generate_group(
+    model: Any,
+    prompt_ids: Sequence[int],
+    *,
+    params: SamplingParams,
+    seeds: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> list[SampleOutput]:
+    """``params.n`` samples of one prompt (:func:`generate_rows` on ``n`` copies)."""
+    if len(seeds) != params.n:
+        raise ValueError(f"got {len(seeds)} seeds for n={params.n} samples")
+    return generate_rows(
+        model, [prompt_ids] * params.n, params=[params] * params.n, seeds=seeds, device=device
+    )
