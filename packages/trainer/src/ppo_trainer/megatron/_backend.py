@@ -49,29 +49,29 @@ with warnings.catch_warnings():
     # deprecated import paths; only warnings raised from megatron modules are silenced.
     for _category in (UserWarning, DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=_category, module=r"megatron\.")
-    from megatron.core import parallel_state as ps  # type: ignore[import-untyped]
-    from megatron.core.distributed import (  # type: ignore[import-untyped]
+    from megatron.core import parallel_state as ps  # type: ignore[import-untyped, unused-ignore]
+    from megatron.core.distributed import (  # type: ignore[import-untyped, unused-ignore]
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
-    from megatron.core.models.gpt.gpt_layer_specs import (  # type: ignore[import-untyped]
+    from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped, unused-ignore]
+    from megatron.core.models.gpt.gpt_layer_specs import (  # type: ignore[import-untyped, unused-ignore]
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.core.optimizer import (  # type: ignore[import-untyped]
+    from megatron.core.optimizer import (  # type: ignore[import-untyped, unused-ignore]
         OptimizerConfig,
         get_megatron_optimizer,
     )
-    from megatron.core.pipeline_parallel import (  # type: ignore[import-untyped]
+    from megatron.core.pipeline_parallel import (  # type: ignore[import-untyped, unused-ignore]
         get_forward_backward_func,
     )
-    from megatron.core.tensor_parallel import (  # type: ignore[import-untyped]
+    from megatron.core.tensor_parallel import (  # type: ignore[import-untyped, unused-ignore]
         model_parallel_cuda_manual_seed,
     )
-    from megatron.core.transformer import TransformerConfig  # type: ignore[import-untyped]
-    from megatron.core.transformer.transformer_layer import (  # type: ignore[import-untyped]
+    from megatron.core.transformer import TransformerConfig  # type: ignore[import-untyped, unused-ignore]
+    from megatron.core.transformer.transformer_layer import (  # type: ignore[import-untyped, unused-ignore]
         get_transformer_layer_offset,
     )
 
@@ -129,7 +129,8 @@ def _init_distributed(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world_size == 1 and dist_init_method is None:
         # megatron needs a process group even alone: a one-rank group on an in-memory store.
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
         return
     if dist_init_method is None:
         raise ValueError(
@@ -541,7 +542,7 @@ class MegatronTrainModel(MegatronFrozenModel):
                 metrics: list[dict[str, float]] = []
                 for mb in micro_batches:
                     loss, m = loss_fn(self._output(self._module_forward(mb)), mb)
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]
                     metrics.append(m)
                 return metrics
             payloads = self._run(micro_batches, last_stage_fn=loss_fn, forward_only=False)
@@ -703,7 +704,7 @@ class MegatronBackend:
         spec = self.config.model
         hf = build_value_model(spec) if critic else build_causal_lm(spec)
         hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
-        hf_config = hf.config
+        hf_config: Any = hf.config
         lay = _layout(hf_config, te=self.use_te, critic=critic)
         dtype = _DTYPES[spec.dtype]
         with _megatron_call():

@@ -145,7 +145,7 @@ def _cuda_no_ops() -> dict[str, Any]:
 
 
 def _install_cpu_rng_tracker() -> None:
-    from megatron.core.tensor_parallel import random as mrandom  # type: ignore[import-untyped]
+    from megatron.core.tensor_parallel import random as mrandom  # type: ignore[import-untyped, unused-ignore]
 
     base = mrandom.CudaRNGStatesTracker
     if getattr(base, "_ppo_cpu_rng", False):
