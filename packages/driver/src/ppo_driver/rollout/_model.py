@@ -8,45 +8,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ppo_trainer import ModelSpec, build_causal_lm
 
 
 def build_model(source: Any, *, seed: int | None = None, device: str = "cpu") -> Any:
     """A causal LM in eval mode on ``device``.
 
-    ``source`` may be: an object with ``path`` / ``hf_config_kwargs()`` / ``seed`` /
-    ``dtype`` (``ppo_trainer.ModelSpec``); a ``transformers.PretrainedConfig`` (random
-    init seeded by ``seed``, default 0); or a path to a local HF model directory.
+    ``source`` may be: a ``ppo_trainer.ModelSpec`` (built by the trainer's own
+    ``build_causal_lm``, so the engine starts from the trainer's initial weights); a
+    ``transformers.PretrainedConfig`` (random init seeded by ``seed``, default 0); or a
+    path to a local HF model directory.
     """
     import transformers
-    from transformers import PretrainedConfig, Qwen2Config
+    from transformers import PretrainedConfig
 
     auto: Any = transformers.AutoModelForCausalLM
-    qwen2: Any = transformers.Qwen2ForCausalLM
 
-    dtype = torch.float32
     model: Any
     if isinstance(source, str | Path):
         if not Path(source).is_dir():
             raise ValueError(f"model path {str(source)!r} is not a directory")
         model = auto.from_pretrained(str(source), local_files_only=True)
     elif isinstance(source, PretrainedConfig):
-        torch.manual_seed(0 if seed is None else seed)
-        model = auto.from_config(source)
-    elif hasattr(source, "hf_config_kwargs"):
-        dtype = _DTYPES.get(str(getattr(source, "dtype", "float32")), torch.float32)
-        path = getattr(source, "path", None)
-        if path:
-            return build_model(str(path), device=device).to(dtype)
-        torch.manual_seed(int(source.seed) if seed is None else seed)
-        model = qwen2(Qwen2Config(**source.hf_config_kwargs()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0 if seed is None else seed)
+            model = auto.from_config(source)
+    elif isinstance(source, ModelSpec):
+        # exactly the trainer's construction: same seed, same weights, same names
+        return build_causal_lm(source, device=device).eval()
     else:
         raise ValueError(
             f"model source {type(source).__name__}: pass a ppo_trainer.ModelSpec, a "
             "transformers config or a local model directory"
         )
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device).eval()
 
 
 def tiny_qwen2_config(*, vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2) -> Any:

@@ -1,0 +1,363 @@
+"""Rollout pieces that need no Ray: sampling loop, tokenizer, task and rewards, batch
+layout, bucket plan, replay buffer checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ppo_driver.rollout import (
+    CharTokenizer,
+    EmbeddedEngine,
+    GroupOutput,
+    GroupRequest,
+    PromptDataset,
+    ReplayBuffer,
+    RewardError,
+    SampleOutput,
+    SamplingParams,
+    ScoredGroup,
+    build_batch,
+    build_model,
+    generate_group,
+    generate_rows,
+    load_jsonl,
+    load_reward_fn,
+    load_tokenizer,
+    plan_buckets,
+    repeat_reward,
+    sample_seed,
+    score_group,
+    synthetic_records,
+    tiny_qwen2_config,
+)
+from ppo_driver.rollout._sampling import _top_p_filter
+
+TOK = CharTokenizer()
+PARAMS = SamplingParams(n=4, max_new_tokens=12, stop_token_ids=(TOK.eos_id,))
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.set_num_threads(1)
+    return build_model(tiny_qwen2_config(vocab_size=TOK.vocab_size), seed=3)
+
+
+@pytest.fixture(scope="module")
+def dataset() -> PromptDataset:
+    return PromptDataset(synthetic_records(num_prompts=16, seed=0, max_count=12), TOK)
+
+
+# -- sampling ---------------------------------------------------------------------------
+
+
+def test_sample_seed_depends_on_every_field() -> None:
+    base = {"run_seed": 1, "prompt_index": 2, "sample_index": 3, "weight_version": 4}
+    seeds = {sample_seed(**base)}
+    for key in base:
+        seeds.add(sample_seed(**{**base, key: base[key] + 1}))
+    assert len(seeds) == 5
+    assert sample_seed(**base) == sample_seed(**base) < 2**63
+
+
+def test_batched_rows_are_bitwise_identical_to_single_groups(
+    model: Any, dataset: PromptDataset
+) -> None:
+    """A sample never depends on which rows shared its batch (incl. fewer than 4 rows)."""
+    length = len(dataset.prompt_ids(0))
+    idx = [i for i in range(len(dataset)) if len(dataset.prompt_ids(i)) == length][:6]
+    prompts, seeds = [], []
+    for i in idx:
+        for j in range(PARAMS.n):
+            prompts.append(dataset.prompt_ids(i))
+            seeds.append(sample_seed(run_seed=7, prompt_index=i, sample_index=j, weight_version=0))
+    batched = generate_rows(model, prompts, params=[PARAMS] * len(prompts), seeds=seeds)
+    for k, i in enumerate(idx):
+        alone = generate_group(
+            model, dataset.prompt_ids(i), params=PARAMS, seeds=seeds[4 * k : 4 * k + 4]
+        )
+        assert batched[4 * k : 4 * k + 4] == alone
+    one = generate_rows(model, prompts[:1], params=[PARAMS], seeds=seeds[:1])
+    assert one[0] == batched[0]
+
+
+def test_engine_logprobs_match_a_full_forward(model: Any, dataset: PromptDataset) -> None:
+    """KV-cache decoding log-probs equal a plain full-sequence forward (tolerance 1e-5)."""
+    prompt = dataset.prompt_ids(1)
+    seeds = [
+        sample_seed(run_seed=0, prompt_index=1, sample_index=j, weight_version=0) for j in range(4)
+    ]
+    samples = generate_group(model, prompt, params=PARAMS, seeds=seeds)
+    for s in samples:
+        ids = torch.tensor([list(prompt) + list(s.token_ids)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+        want = logp[0, len(prompt) - 1 : -1].gather(1, ids[0, len(prompt) :, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-5)
+        assert s.finish_reason == ("stop" if s.token_ids[-1] == TOK.eos_id else "length")
+        assert (s.finish_reason == "length") == (len(s.token_ids) == PARAMS.max_new_tokens) or (
+            s.token_ids[-1] == TOK.eos_id
+        )
+
+
+def test_greedy_is_seed_independent(model: Any, dataset: PromptDataset) -> None:
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
+    a = generate_group(model, dataset.prompt_ids(2), params=greedy, seeds=[1, 2])
+    assert a[0].token_ids == a[1].token_ids
+
+
+def test_top_p_keeps_the_smallest_prefix() -> None:
+    probs = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    out = _top_p_filter(probs, 0.7)
+    assert torch.allclose(out, torch.tensor([0.0, 0.625, 0.375, 0.0]))
+    assert torch.equal(_top_p_filter(probs, 0.01), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        pytest.param({"n": 0}, "n", id="n"),
+        pytest.param({"temperature": -1.0}, "temperature", id="temperature"),
+        pytest.param({"top_p": 0.0}, "top_p", id="top_p"),
+        pytest.param({"max_new_tokens": 0}, "max_new_tokens", id="max_new_tokens"),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        SamplingParams(**kwargs)
+
+
+def test_embedded_engine_in_process_tags_version_and_pauses(dataset: PromptDataset) -> None:
+    engine = EmbeddedEngine(model=tiny_qwen2_config(vocab_size=TOK.vocab_size), run_seed=1)
+    req = GroupRequest(prompt_index=3, prompt_ids=dataset.prompt_ids(3), params=PARAMS)
+    (out,) = engine.generate([req])
+    assert out.weight_version == 0 and len(out.samples) == PARAMS.n
+    engine.pause_generation()
+    assert engine.health().paused
+    engine.continue_generation()
+    engine.release_memory()
+    engine.release_memory()  # idempotent
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate([req])
+    engine.resume_memory()
+    new = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
+    assert engine.update_weights(new, version=5) == 5
+    (out5,) = engine.generate([req])
+    assert out5.weight_version == 5 and out5.samples != out.samples
+    with pytest.raises(ValueError, match="twice"):
+        engine.generate([req, req])
+
+
+# -- tokenizer ------------------------------------------------------------------------------
+
+
+def test_char_tokenizer_round_trip(tmp_path: Path) -> None:
+    ids = TOK.encode("c12:")
+    assert ids[0] == TOK.bos_id and TOK.decode([*ids, TOK.eos_id]) == "c12:"
+    assert TOK.decode([3, 200]) == "a?"
+    with pytest.raises(ValueError, match="outside the alphabet"):
+        TOK.encode("z")
+    with pytest.raises(ValueError, match="vocab_size"):
+        CharTokenizer(vocab_size=5)
+    padded = CharTokenizer(vocab_size=32)
+    padded.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.vocab_size == 32 and loaded.encode("ab") == padded.encode("ab")
+    assert load_tokenizer(None, vocab_size=40).vocab_size == 40
+
+
+# -- task and rewards ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("response", "finish", "want"),
+    [
+        pytest.param("ccc", "stop", 1.0, id="exact"),
+        pytest.param("ccc", "length", 0.5, id="right-chars-not-stopped"),
+        pytest.param("cc", "stop", 0.5 * 2 / 3 + 0.3 * 2 / 3, id="short"),
+        pytest.param("cccccc", "stop", 0.5, id="twice-too-long"),
+        pytest.param("ab", "stop", 0.3 * 2 / 3, id="wrong-chars"),
+        pytest.param("", "length", 0.0, id="nothing"),
+    ],
+)
+def test_repeat_reward(response: str, finish: str, want: float) -> None:
+    got = repeat_reward(response=response, record={"char": "c", "count": 3}, finish_reason=finish)
+    assert math.isclose(got, want, abs_tol=1e-9)
+
+
+def test_random_policy_reward_is_low_but_not_zero(model: Any, dataset: PromptDataset) -> None:
+    rewards: list[float] = []
+    lengths: list[int] = []
+    for i in range(len(dataset)):
+        seeds = [
+            sample_seed(run_seed=0, prompt_index=i, sample_index=j, weight_version=0)
+            for j in range(4)
+        ]
+        samples = generate_group(model, dataset.prompt_ids(i), params=PARAMS, seeds=seeds)
+        out = GroupOutput(
+            prompt_index=i,
+            prompt_ids=dataset.prompt_ids(i),
+            samples=tuple(samples),
+            weight_version=0,
+        )
+        scored = score_group(out, record=dataset.record(i), reward_fn=repeat_reward, tokenizer=TOK)
+        rewards += scored.rewards
+        lengths += [len(s.token_ids) for s in samples]
+    mean = sum(rewards) / len(rewards)
+    assert 0.0 < mean < 0.4
+    assert sum(r > 0 for r in rewards) >= len(rewards) // 4
+    assert max(lengths) >= 4 * min(lengths)  # a real spread of response lengths
+
+
+def test_synthetic_records_vary_and_repeat() -> None:
+    a = synthetic_records(num_prompts=50, seed=1, max_count=12)
+    assert a == synthetic_records(num_prompts=50, seed=1, max_count=12)
+    counts = {r["count"] for r in a}
+    assert min(counts) <= 3 and max(counts) >= 10
+    assert all(r["prompt"] == f"{r['char']}{r['count']}:" for r in a)
+
+
+def test_load_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a2:", "char": "a", "count": 2}) + "\n\n")
+    assert load_jsonl(path)[0]["count"] == 2
+    path.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="'prompt'"):
+        load_jsonl(path)
+    path.write_text("{oops\n")
+    with pytest.raises(ValueError, match=":1: not valid JSON"):
+        load_jsonl(path)
+
+
+def test_load_reward_fn() -> None:
+    assert load_reward_fn("ppo_driver.rollout:repeat_reward") is repeat_reward
+    for bad, msg in [
+        ("nocolon", "form"),
+        ("no_such_mod_xyz:f", "cannot import"),
+        ("math:nope", "no callable"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            load_reward_fn(bad)
+
+
+def _output(n: int = 2) -> GroupOutput:
+    s = SampleOutput(
+        token_ids=(3, 3, TOK.eos_id), logprobs=(-1.0, -1.0, -0.5), finish_reason="stop"
+    )
+    return GroupOutput(prompt_index=9, prompt_ids=(1, 3, 6, 21), samples=(s,) * n, weight_version=2)
+
+
+def _raises(**_: Any) -> float:
+    raise KeyError("answer")
+
+
+async def _async_reward(*, response: str, **_: Any) -> float:
+    await asyncio.sleep(0)
+    return float(len(response))
+
+
+@pytest.mark.parametrize(
+    ("fn", "msg"),
+    [
+        pytest.param(_raises, "reward failed for prompt 9: KeyError", id="exception"),
+        pytest.param(lambda **_: float("nan"), "sample 0 is nan", id="nan"),
+        pytest.param(lambda **_: float("inf"), "sample 0 is inf", id="inf"),
+        pytest.param(lambda **_: "high", "not a number", id="not-a-number"),
+    ],
+)
+def test_bad_rewards_fail_the_group(fn: Any, msg: str) -> None:
+    with pytest.raises(RewardError, match=msg):
+        score_group(_output(), record={}, reward_fn=fn, tokenizer=TOK)
+
+
+def test_async_reward() -> None:
+    scored = score_group(_output(), record={}, reward_fn=_async_reward, tokenizer=TOK)
+    assert scored.rewards == (2.0, 2.0)
+
+
+# -- batch layout ---------------------------------------------------------------------------------
+
+
+def test_build_batch_layout() -> None:
+    long = SampleOutput(token_ids=(3, 3, 2), logprobs=(-0.1, -0.2, -0.3), finish_reason="stop")
+    short = SampleOutput(token_ids=(4,), logprobs=(-0.4,), finish_reason="length")
+    g = ScoredGroup(
+        output=GroupOutput(
+            prompt_index=5, prompt_ids=(1, 3, 9), samples=(long, short), weight_version=3
+        ),
+        rewards=(1.0, 0.25),
+    )
+    b = build_batch([g], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 3, 9, 3, 3, 2], [1, 3, 9, 4, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 1, 0, 0]]
+    assert b["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0]]
+    assert b["rewards"].tolist() == [[0, 0, 0, 0, 0, 1.0], [0, 0, 0, 0.25, 0, 0]]
+    assert torch.allclose(b["engine_logprobs"][0, 3:], torch.tensor([-0.1, -0.2, -0.3]))
+    assert b["engine_logprobs"][1].tolist()[3] == pytest.approx(-0.4)
+    assert b["sample_rewards"].tolist() == [1.0, 0.25]
+    assert b["weight_versions"].tolist() == [3, 3] and b["prompt_indices"].tolist() == [5, 5]
+    assert b["input_ids"].dtype == torch.long and b["loss_mask"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("sizes", "bound", "want"),
+    [
+        pytest.param([4, 4, 4, 10, 1], 8, [[0, 1], [2], [3], [4]], id="mixed"),
+        pytest.param([1, 1, 1], 100, [[0, 1, 2]], id="one-bucket"),
+        pytest.param([50, 50], 10, [[0], [1]], id="oversized-alone"),
+        pytest.param([], 10, [], id="empty"),
+    ],
+)
+def test_plan_buckets(sizes: list[int], bound: int, want: list[list[int]]) -> None:
+    assert plan_buckets(sizes, bucket_bytes=bound) == want
+
+
+# -- replay buffer -------------------------------------------------------------------------------
+
+
+def _scored(gid: int, version: int = 0) -> ScoredGroup:
+    samples = tuple(
+        SampleOutput(
+            token_ids=tuple(range(3, 3 + k + 1)),
+            logprobs=tuple(-0.1 * (i + 1) / 3 for i in range(k + 1)),
+            finish_reason="stop" if k % 2 else "length",
+        )
+        for k in range(3)
+    )
+    out = GroupOutput(
+        prompt_index=gid,
+        prompt_ids=(1, 3 + gid % 5),
+        samples=samples,
+        weight_version=version,
+        engine_id="e0",
+    )
+    return ScoredGroup(output=out, rewards=(0.1 * gid, 1 / 3, -2.5))
+
+
+def test_replay_buffer_lifecycle_and_round_trip(tmp_path: Path) -> None:
+    buf = ReplayBuffer()
+    for gid in range(5):
+        buf.add(_scored(gid, version=gid // 2), step=gid // 3)
+    with pytest.raises(ValueError, match="already buffered"):
+        buf.add(_scored(0), step=0)
+    claimed = buf.claim([1, 0])
+    assert [g.prompt_index for g in claimed] == [1, 0]
+    with pytest.raises(ValueError, match="not ready"):
+        buf.claim([0])
+    with pytest.raises(ValueError, match="not claimed"):
+        buf.release([2])
+    buf.release([1])
+    assert 1 not in buf and len(buf) == 4
+
+    buf.save(tmp_path)
+    restored = ReplayBuffer.load(tmp_path)
+    assert sorted(restored.ready_ids()) == [0, 2, 3, 4]  # the claimed row is ready again
+    for gid in (0, 2, 3, 4):
+        assert restored.get(gid) == buf.get(gid)  # bit-exact, floats included
+        assert restored.step_of(gid) == buf.step_of(gid)
+    assert not any(p.suffix == ".pkl" for p in tmp_path.iterdir())
