@@ -88,8 +88,9 @@ class HostCopyBackend:
     Args:
         device: the device whose storages move (``cpu`` or ``cuda:N``).
         pin_memory: pin host copies; default: ``True`` on CUDA.
-        cache_host_buffers: keep host buffers between cycles (pinning is slow);
-            default: ``True`` on CUDA, ``False`` on CPU (no extra host memory while awake).
+        cache_host_buffers: keep the host buffers while awake, so later sleeps
+            reuse them (pinning and first-touch page faults are slow); default ``True``.
+            ``False`` frees them at each wake-up (no host memory held while awake).
     """
 
     name = "host_copy"
@@ -104,7 +105,7 @@ class HostCopyBackend:
         self.device = device
         on_cuda = device.type == "cuda"
         self.pin_memory = on_cuda if pin_memory is None else pin_memory
-        self.cache_host_buffers = on_cuda if cache_host_buffers is None else cache_host_buffers
+        self.cache_host_buffers = True if cache_host_buffers is None else cache_host_buffers
         self._saved: dict[Part, list[_Saved]] = {}
         self._cache: dict[int, torch.Tensor] = {}
 

@@ -62,7 +62,8 @@ class OffloadManager:
         on_release_process_groups: called when the model goes from resident to asleep.
         on_reload_process_groups: called by every ``wake_up()``, including one on a
             resident model (a failed retry may have torn the groups down).
-        pin_memory / cache_host_buffers: host-copy options (default: on for CUDA).
+        pin_memory / cache_host_buffers: host-copy options (pinned on CUDA; host
+            buffers kept for reuse by default).
         hook_mode: ``torch_memory_saver`` hook mode (see its docs).
 
     Raises:
