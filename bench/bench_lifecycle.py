@@ -53,7 +53,7 @@ def _big_model(param_bytes: int, device: torch.device) -> tuple[nn.Module, torch
     layers = max(1, round(param_bytes / (width * width * 4)))
     model = nn.Sequential(
         *[
-            nn.utils.skip_init(nn.Linear, width, width, bias=False, device=device)
+            nn.utils.skip_init(nn.Linear, width, width, bias=False, device=device)  # type: ignore[no-untyped-call]
             for _ in range(layers)
         ]
     )
@@ -191,7 +191,8 @@ def switch_time(repeats: int, device: torch.device) -> None:
         max_position_embeddings=512,
     )
     torch.manual_seed(0)
-    actor = Qwen2ForCausalLM(config).to(device)
+    actor: nn.Module = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    actor.to(device)
     critic = nn.ModuleDict({"body": Qwen2Model(config), "value": nn.Linear(64, 1)}).to(device)
     tokens = torch.randint(0, 128, (4, 32), device=device)
     actor_opt = torch.optim.Adam(actor.parameters(), lr=1e-4)
