@@ -272,7 +272,10 @@ def _transformer_config(
         sequence_parallel=False,
         cuda_graph_scope=[],  # the default ("full") warns that it is deprecated
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=False,  # every weight is overwritten from the HF model
+        # Every weight is overwritten from the HF model, but megatron's layers set the
+        # tensor-parallel attributes (``tensor_model_parallel``, used by the grad norm)
+        # only inside their initialisation: keep it on.
+        perform_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -707,7 +710,8 @@ class MegatronBackend:
         hf_config: Any = hf.config
         lay = _layout(hf_config, te=self.use_te, critic=critic)
         dtype = _DTYPES[spec.dtype]
-        with _megatron_call():
+        # megatron's CPU initialisation draws from the global generator: leave it untouched.
+        with _megatron_call(), torch.random.fork_rng(devices=[]):
             tconfig = _transformer_config(hf_config, lay, self.opts, dtype=dtype, te=self.use_te)
             layer_spec = (
                 get_gpt_layer_with_transformer_engine_spec()
