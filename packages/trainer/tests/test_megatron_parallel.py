@@ -19,11 +19,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
+from safetensors.torch import load_file, save_file
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from ppo_trainer import (  # noqa: E402
+from ppo_trainer import (
     ActorConfig,
     ActorWorker,
     CriticConfig,
@@ -31,6 +29,8 @@ from ppo_trainer import (  # noqa: E402
     ModelSpec,
     loss_denominator,
 )
+
+pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
 
 SPEC = ModelSpec(seed=7)
 LAYOUTS: dict[str, dict[str, Any]] = {
