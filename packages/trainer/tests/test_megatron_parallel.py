@@ -18,9 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from safetensors.torch import load_file, save_file
-
 from ppo_trainer import (
     ActorConfig,
     ActorWorker,
@@ -29,6 +26,7 @@ from ppo_trainer import (
     ModelSpec,
     loss_denominator,
 )
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
 
