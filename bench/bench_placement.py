@@ -1,6 +1,6 @@
 """Benchmark: how long ``start_local_ray`` takes, cold and warm, and a placement group.
 
-Run: ``uv run --frozen python bench/bench_placement.py [--cold 2] [--warm 2]``.
+Run: ``uv run --frozen python bench/bench_placement.py [--cold 1] [--warm 1]``.
 
 * cold: a fresh interpreter per run (``import ray`` + ``start_local_ray(num_gpus=4)``,
   then shutdown), as a test module or ``ppo-driver train`` pays it;
@@ -50,8 +50,8 @@ def _row(name: str, values: list[float], note: str = "") -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cold", type=int, default=2, help="fresh-process starts")
-    parser.add_argument("--warm", type=int, default=2, help="in-process restarts")
+    parser.add_argument("--cold", type=int, default=1, help="fresh-process starts")
+    parser.add_argument("--warm", type=int, default=1, help="in-process restarts")
     args = parser.parse_args()
 
     print(f"load average at start: {_load()}  (cores: {os.cpu_count()})")

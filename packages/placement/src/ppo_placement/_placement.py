@@ -413,18 +413,34 @@ def _discover(
         for i in range(pg.bundle_count)
     ]
     found = ray.get(refs, timeout=timeout_s)
-    raw: list[tuple[int, str, str, int | str | None]] = []
-    for i, (ip, node_id, gpus) in enumerate(found):
+    raw: list[tuple[int, str, str, list[str]]] = [
+        (i, ip, node_id, gpus) for i, (ip, node_id, gpus) in enumerate(found)
+    ]
+    return order_bundles(raw)
+
+
+def order_bundles(raw: list[tuple[int, str, str, list[str]]]) -> tuple[Bundle, ...]:
+    """Order probed bundles: node IP as numbers, node id, GPU id as an integer, Ray index.
+
+    Args:
+        raw: one ``(ray_bundle_index, node_ip, node_id, gpu_ids)`` per bundle, as the
+            probe reports them (``gpu_ids`` are strings, at most one per bundle).
+
+    Raises:
+        ValueError: a bundle holding more than one GPU.
+    """
+    records: list[tuple[int, str, str, int | str | None]] = []
+    for i, ip, node_id, gpus in raw:
         if len(gpus) > 1:
             raise ValueError(
                 f"bundle {i} holds {len(gpus)} GPUs {gpus}; SharedPlacement needs "
                 'bundles of one GPU each, e.g. bundle_resources={"GPU": 1, "CPU": 1}'
             )
-        raw.append((i, ip, node_id, _gpu_id(gpus[0]) if gpus else None))
-    raw.sort(key=lambda b: (_ip_key(b[1]), b[2], _gpu_key(b[3]), b[0]))
+        records.append((i, ip, node_id, _gpu_id(gpus[0]) if gpus else None))
+    records.sort(key=lambda b: (_ip_key(b[1]), b[2], _gpu_key(b[3]), b[0]))
     return tuple(
         Bundle(index=k, bundle_index=i, node_id=node_id, node_ip=ip, gpu_id=gpu)
-        for k, (i, ip, node_id, gpu) in enumerate(raw)
+        for k, (i, ip, node_id, gpu) in enumerate(records)
     )
 
 

@@ -1,15 +1,18 @@
 """Start and stop the project's local Ray cluster: the one place that calls ``ray.init``.
 
 On a small, busy machine a cold ``ray.init()`` can fail with "The current node timed
-out during startup": the raylet gives its Python agents a fixed window to write their
-port files and aborts when their imports are slower than that. The real reason is only
-in the session's ``raylet.out``. :func:`start_local_ray` therefore
+out during startup": the raylet waits a fixed 30 s (Ray 2.60) for its dashboard agent to
+write ``metrics_agent_port_*`` and aborts when the agent's start-up is slower (raylet.out:
+"Check failed: ... Timed out waiting for file .../metrics_agent_port_..."); Ray's Python
+side then waits its own fixed 30 s and reports only the generic message. Neither wait
+reads a ``RAY_*`` setting in 2.60 (checked: ``RAY_agent_register_timeout_ms=120000`` does
+not stop a 40 s-slow agent from failing the start). :func:`start_local_ray` therefore
 
 * binds every Ray process to the loopback interface (127.0.0.1), keeps the dashboard and
-  usage stats off, and raises the registration timeouts that Ray reads from ``RAY_*``
-  environment variables (only where the caller has not set them);
-* compiles / warms the agents' imports when they look cold, and again before a retry;
-* retries a failed start (after killing the processes the failed attempt left behind);
+  usage stats off, turns off Ray's ``uv run`` worker wrapping, and raises the timeouts
+  Ray does read from ``RAY_*`` variables (only where the caller has not set them);
+* byte-compiles / warms the agents' imports when they look cold, and again before a retry;
+* retries a failed start (after killing and reaping what the failed attempt left);
 * and, when every attempt failed, raises :class:`RayStartError` quoting the raylet's
   own error lines.
 """
@@ -56,7 +59,9 @@ _FORCED_ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
 }
 _DEFAULT_ENV = {
-    # How long the raylet waits for its agents (default 30 s on Linux).
+    # The raylet's budget for agent registration / runtime-env agent calls (default
+    # 30 s). In Ray 2.60 it does NOT cover the 30 s port-file wait that fails start-ups
+    # here (that one is fixed); kept for the waits and Ray versions that honour it.
     "RAY_agent_register_timeout_ms": "120000",
     # How long the raylet waits for a started worker process to register (default 60 s);
     # a worker that imports torch on a loaded 2-core machine can need more.

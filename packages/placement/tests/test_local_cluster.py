@@ -1,7 +1,9 @@
-"""SharedPlacement on a real one-node local Ray cluster with 4 logical GPUs (one start)."""
+"""One real local Ray cluster (4 logical GPUs, started once for the module):
+start_local_ray's promises, then SharedPlacement on one node."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +29,46 @@ def local_ray() -> Iterator[LocalRay]:
         yield info
     finally:
         shutdown_local_ray()
+
+
+# --- start_local_ray ------------------------------------------------------------
+
+
+def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> None:
+    assert local_ray.started and local_ray.attempts >= 1
+    assert local_ray.node_ip == "127.0.0.1"
+    assert local_ray.address.startswith("127.0.0.1:")
+    assert os.path.isdir(local_ray.session_dir)
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
+    # Under `uv run` Ray must not wrap the workers in a uv / working_dir runtime env.
+    assert not ray.get_runtime_context().runtime_env
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    assert node["NodeManagerAddress"] == "127.0.0.1"
+    assert ray.cluster_resources()["GPU"] == 4.0
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def where() -> tuple[str, list[int]]:
+        return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+
+    ip, gpus = ray.get(where.remote(), timeout=120)
+    assert ip == "127.0.0.1"
+    assert len(gpus) == 1 and gpus[0] in (0, 1, 2, 3)
+
+
+def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
+    again = start_local_ray(num_gpus=1)
+    assert not again.started and again.attempts == 0
+    assert again.address == local_ray.address
+    assert again.session_dir == local_ray.session_dir
+
+
+def test_reuse_refuses_a_cluster_with_too_few_gpus(local_ray: LocalRay) -> None:
+    with pytest.raises(ValueError, match=r"num_gpus=5.*only 4 GPU"):
+        start_local_ray(num_gpus=5)
+    assert ray.is_initialized()
+
+
+# --- SharedPlacement on one node ---------------------------------------------------
 
 
 def test_separate_rollout_actor_critic_share_bundles(local_ray: LocalRay, where: Where) -> None:
@@ -118,3 +160,14 @@ def test_too_many_bundles_time_out_and_release(local_ray: LocalRay) -> None:
 @pytest.fixture
 def where(where_actors_run: Where) -> Where:
     return where_actors_run
+
+
+# --- last: stop the shared cluster ---------------------------------------------------
+
+
+def test_shutdown_is_idempotent(local_ray: LocalRay) -> None:
+    # Runs last in this module: stops the shared cluster, then stops nothing.
+    shutdown_local_ray()
+    assert not ray.is_initialized()
+    shutdown_local_ray()
+    assert not ray.is_initialized()
