@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.pump import InjectedFailure
 from ppo_driver.run import train
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -106,10 +105,14 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
     keys = [k for k in a if k.startswith(prefix)]
     assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
-    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in keys)
+    return max(
+        float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in keys
+    )
 
 
-def test_streaming_chunks_counters_and_outputs(streaming_run: tuple[Path, list[str], object]) -> None:
+def test_streaming_chunks_counters_and_outputs(
+    streaming_run: tuple[Path, list[str], object],
+) -> None:
     run_dir, lines, result = streaming_run
     chunks: dict[int, list[tuple[int, int, int]]] = {}
     closing: dict[int, int] = {}
@@ -141,10 +144,25 @@ def test_streaming_chunks_counters_and_outputs(streaming_run: tuple[Path, list[s
     assert [r["train/chunks"] for r in rows] == [closing[0], closing[1], closing[2]]
     trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     phases = {e["cat"] for e in trace if e.get("ph") == "X"}
-    assert {"generation", "chunk", "switch", "update", "refit", "critic", "value", "backward"} <= phases
+    assert {
+        "generation",
+        "chunk",
+        "switch",
+        "update",
+        "refit",
+        "critic",
+        "value",
+        "backward",
+    } <= phases
     for s in (0, 1):
-        critic_end = max(e["ts"] + e["dur"] for e in trace if e.get("cat") == "critic" and e["args"].get("step") == s)
-        next_chunk = min(e["ts"] for e in trace if e.get("cat") == "chunk" and e["args"].get("step") == s + 1)
+        critic_end = max(
+            e["ts"] + e["dur"]
+            for e in trace
+            if e.get("cat") == "critic" and e["args"].get("step") == s
+        )
+        next_chunk = min(
+            e["ts"] for e in trace if e.get("cat") == "chunk" and e["args"].get("step") == s + 1
+        )
         assert critic_end <= next_chunk
     for s in (1, 2, 3):
         state = json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "driver.json").read_text())
@@ -158,7 +176,11 @@ def test_full_batch_matches_streaming_after_one_step(
     """Same seed, advantages not normalised: one streaming step (several chunks) and one
     full-batch step leave the same actor and critic (parameters and Adam state)."""
     run_dir, _, _ = streaming_run
-    train(_cfg("run.num_steps=1", "async_rl.min_groups_for_streaming_train=8"), run_dir=tmp_path, keep_ray=True)
+    train(
+        _cfg("run.num_steps=1", "async_rl.min_groups_for_streaming_train=8"),
+        run_dir=tmp_path,
+        keep_ray=True,
+    )
     streamed = _tensors(run_dir / "checkpoints" / "step_000001")
     full = _tensors(tmp_path / "checkpoints" / "step_000001")
     assert _max_diff(streamed, full, "actor/") < ATOL
@@ -180,7 +202,9 @@ def test_kill_mid_update_and_between_steps_then_resume(
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"
     with pytest.raises(InjectedFailure):
         train(cfg, run_dir=tmp_path, resume=True, fail_at="2:checkpoint", keep_ray=True)
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000001"  # the partial one is ignored
+    assert (
+        tmp_path / "checkpoints" / "latest"
+    ).read_text() == "step_000001"  # the partial one is ignored
     result = train(cfg, run_dir=tmp_path, resume=True, keep_ray=True)
     assert result.resumed_from == 1
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase
-from ppo_sampler import InOrderSampler, ReadyFirstSampler
-
 from ppo_driver.pump import ChunkGate, _Residency, assemble_full_batch
 from ppo_driver.trace import TraceRecorder
+from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase
+from ppo_sampler import InOrderSampler, ReadyFirstSampler
 
 
 def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> list[list[int]]:
@@ -35,7 +34,9 @@ def _one_by_one(batch: int, seed: int) -> list[list[int]]:
     return [[g] for g in order]
 
 
-@pytest.mark.parametrize("sampler_cls", [InOrderSampler, ReadyFirstSampler], ids=["in_order", "ready_first"])
+@pytest.mark.parametrize(
+    "sampler_cls", [InOrderSampler, ReadyFirstSampler], ids=["in_order", "ready_first"]
+)
 @pytest.mark.parametrize("minimum", range(11, 17))
 def test_batch16_minimum_11_to_16_always_one_chunk(sampler_cls: Any, minimum: int) -> None:
     """The document: a minimum above about two thirds of the batch cannot leave the tail

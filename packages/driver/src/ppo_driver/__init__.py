@@ -1,5 +1,72 @@
-"""ppo_driver."""
+"""ppo_driver: streaming colocated PPO (actor and critic share the training devices,
+generation runs on its own), its config, train pump, checkpoints and CLI.
+
+Light names (config) import eagerly; the rest (torch, Ray) load on first use, so that
+``ppo-driver validate`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ppo_driver.config import (
+    ConfigError,
+    ConfigProblem,
+    DriverConfig,
+    ValidationReport,
+    default_config_path,
+    load_config,
+    validate,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_LAZY = {
+    "ChunkGate": "ppo_driver.pump",
+    "InjectedFailure": "ppo_driver.pump",
+    "StepReport": "ppo_driver.pump",
+    "TrainPump": "ppo_driver.pump",
+    "assemble_full_batch": "ppo_driver.pump",
+    "RunResult": "ppo_driver.run",
+    "train": "ppo_driver.run",
+    "TrainGroup": "ppo_driver.workers",
+    "find_latest": "ppo_driver.checkpoint",
+    "load_checkpoint": "ppo_driver.checkpoint",
+    "save_checkpoint": "ppo_driver.checkpoint",
+    "TraceRecorder": "ppo_driver.trace",
+    "MetricsWriter": "ppo_driver.metrics",
+    "plot_rewards": "ppo_driver.metrics",
+}
+
+__all__ = [
+    "ChunkGate",
+    "ConfigError",
+    "ConfigProblem",
+    "DriverConfig",
+    "InjectedFailure",
+    "MetricsWriter",
+    "RunResult",
+    "StepReport",
+    "TraceRecorder",
+    "TrainGroup",
+    "TrainPump",
+    "ValidationReport",
+    "__version__",
+    "assemble_full_batch",
+    "default_config_path",
+    "find_latest",
+    "load_checkpoint",
+    "load_config",
+    "plot_rewards",
+    "save_checkpoint",
+    "train",
+    "validate",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ppo_driver' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -107,7 +107,10 @@ def save_checkpoint(
     if fail_at == "after_models":
         raise RuntimeError("injected failure: after_models")
     (tmp / "driver.json").write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+        str(tmp / "tensors.safetensors"),
+    )
     _fsync_tree(tmp)
     if fail_at == "before_rename":
         raise RuntimeError("injected failure: before_rename")

@@ -1,9 +1,9 @@
 """The ``ppo-driver`` command line: ``train`` and ``validate``.
 
-    ppo-driver train                       # built-in tiny task, streaming, ./runs/tiny
-    ppo-driver train --config my.yaml ppo.num_prompts_per_step=32
-    ppo-driver train --resume              # continue the run in its run directory
-    ppo-driver validate --config my.yaml   # every problem at once, exit 1 on errors
+ppo-driver train                       # built-in tiny task, streaming, ./runs/tiny
+ppo-driver train --config my.yaml ppo.num_prompts_per_step=32
+ppo-driver train --resume              # continue the run in its run directory
+ppo-driver validate --config my.yaml   # every problem at once, exit 1 on errors
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{train,validate}")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", type=Path, default=None, help="YAML config (default: the built-in tiny task)")
+        p.add_argument(
+            "--config",
+            type=Path,
+            default=None,
+            help="YAML config (default: the built-in tiny task)",
+        )
         p.add_argument(
             "overrides",
             nargs="*",
@@ -35,9 +40,16 @@ def _parser() -> argparse.ArgumentParser:
             help="dotted overrides, e.g. ppo.num_prompts_per_step=32 async_rl.min_groups_for_streaming_train=8",
         )
 
-    train = sub.add_parser("train", help="run PPO training (the built-in tiny task without --config)")
+    train = sub.add_parser(
+        "train", help="run PPO training (the built-in tiny task without --config)"
+    )
     common(train)
-    train.add_argument("--run-dir", type=Path, default=None, help="output directory (default: <run.output_dir>/<run.name>)")
+    train.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="output directory (default: <run.output_dir>/<run.name>)",
+    )
     train.add_argument(
         "--resume",
         action="store_true",

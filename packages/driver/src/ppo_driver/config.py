@@ -351,7 +351,9 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, problems: list[Co
         dotted = f"{prefix}{key}"
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            hint = (
+                f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+            )
             problems.append(ConfigProblem(dotted, value, "unknown key", f"remove it ({hint})"))
             continue
         tp = hints[key]
@@ -360,7 +362,9 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, problems: list[Co
                 continue
             if not isinstance(value, Mapping):
                 problems.append(
-                    ConfigProblem(dotted, value, "expected a section (mapping)", f"write {dotted}: {{...}}")
+                    ConfigProblem(
+                        dotted, value, "expected a section (mapping)", f"write {dotted}: {{...}}"
+                    )
                 )
                 continue
             kwargs[key] = _build(tp, value, f"{dotted}.", problems)  # type: ignore[arg-type]
@@ -389,11 +393,25 @@ def load_config(
         loaded = yaml.safe_load(src.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(
-            [ConfigProblem("--config", str(src), f"cannot read the YAML file ({exc})", "pass a readable YAML file")]
+            [
+                ConfigProblem(
+                    "--config",
+                    str(src),
+                    f"cannot read the YAML file ({exc})",
+                    "pass a readable YAML file",
+                )
+            ]
         ) from exc
     if not isinstance(loaded, dict):
         raise ConfigError(
-            [ConfigProblem("--config", str(src), "the file is not a YAML mapping", "write sections like `ppo: {...}`")]
+            [
+                ConfigProblem(
+                    "--config",
+                    str(src),
+                    "the file is not a YAML mapping",
+                    "write sections like `ppo: {...}`",
+                )
+            ]
         )
     apply_overrides(loaded, overrides, problems)
     cfg = _build(DriverConfig, loaded, "", problems)
@@ -421,7 +439,9 @@ def _alignment(cfg: DriverConfig) -> int:
     )
 
 
-def _check_positive(report: ValidationReport, key: str, value: float | int, *, allow_zero: bool = False) -> bool:
+def _check_positive(
+    report: ValidationReport, key: str, value: float | int, *, allow_zero: bool = False
+) -> bool:
     bad = value < 0 if allow_zero else value <= 0
     if bad:
         bound = ">= 0" if allow_zero else ">= 1" if isinstance(value, int) else "> 0"
@@ -441,7 +461,9 @@ def validate(cfg: DriverConfig) -> ValidationReport:
 
     # basic ranges ------------------------------------------------------------
     counts_ok = _check_positive(r, "ppo.num_prompts_per_step", batch)
-    counts_ok &= _check_positive(r, "ppo.num_generations_per_prompt", ppo.num_generations_per_prompt)
+    counts_ok &= _check_positive(
+        r, "ppo.num_generations_per_prompt", ppo.num_generations_per_prompt
+    )
     counts_ok &= _check_positive(r, "async_rl.min_groups_for_streaming_train", minimum)
     _check_positive(r, "ppo.ppo_epochs", ppo.ppo_epochs)
     _check_positive(r, "ppo.critic_ppo_epochs", ppo.critic_ppo_epochs)
@@ -450,21 +472,48 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     _check_positive(r, "run.num_steps", cfg.run.num_steps)
     _check_positive(r, "run.checkpoint_every", cfg.run.checkpoint_every, allow_zero=True)
     _check_positive(r, "run.keep_checkpoints", cfg.run.keep_checkpoints)
-    _check_positive(r, "async_rl.sampler.max_lookahead_versions", arl.sampler.max_lookahead_versions, allow_zero=True)
-    _check_positive(r, "async_rl.sampler.max_staleness_versions", arl.sampler.max_staleness_versions, allow_zero=True)
+    _check_positive(
+        r,
+        "async_rl.sampler.max_lookahead_versions",
+        arl.sampler.max_lookahead_versions,
+        allow_zero=True,
+    )
+    _check_positive(
+        r,
+        "async_rl.sampler.max_staleness_versions",
+        arl.sampler.max_staleness_versions,
+        allow_zero=True,
+    )
     _check_positive(r, "async_rl.max_prompts_in_flight", arl.max_prompts_in_flight, allow_zero=True)
     _check_positive(r, "rollout.max_new_tokens", cfg.rollout.max_new_tokens)
     _check_positive(r, "rollout.num_engines", cfg.rollout.num_engines)
     _check_positive(r, "ppo.eps_clip", ppo.eps_clip)
-    for key, val in (("ppo.adv_estimator.gamma", ppo.adv_estimator.gamma), ("ppo.adv_estimator.lam", ppo.adv_estimator.lam)):
+    for key, val in (
+        ("ppo.adv_estimator.gamma", ppo.adv_estimator.gamma),
+        ("ppo.adv_estimator.lam", ppo.adv_estimator.lam),
+    ):
         if not 0.0 <= val <= 1.0:
-            r.errors.append(ConfigProblem(key, val, "must lie in [0, 1]", f"set {key} between 0 and 1"))
+            r.errors.append(
+                ConfigProblem(key, val, "must lie in [0, 1]", f"set {key} between 0 and 1")
+            )
     if ppo.loss_agg not in ("token", "sample"):
-        r.errors.append(ConfigProblem("ppo.loss_agg", ppo.loss_agg, "unknown loss aggregation", "use token or sample"))
+        r.errors.append(
+            ConfigProblem(
+                "ppo.loss_agg", ppo.loss_agg, "unknown loss aggregation", "use token or sample"
+            )
+        )
     if ppo.kl_estimator not in ("k1", "k2", "k3"):
-        r.errors.append(ConfigProblem("ppo.kl_estimator", ppo.kl_estimator, "unknown KL estimator", "use k1, k2 or k3"))
+        r.errors.append(
+            ConfigProblem(
+                "ppo.kl_estimator", ppo.kl_estimator, "unknown KL estimator", "use k1, k2 or k3"
+            )
+        )
     if ppo.kl_loss_coef < 0:
-        r.errors.append(ConfigProblem("ppo.kl_loss_coef", ppo.kl_loss_coef, "must be >= 0", "set ppo.kl_loss_coef >= 0"))
+        r.errors.append(
+            ConfigProblem(
+                "ppo.kl_loss_coef", ppo.kl_loss_coef, "must be >= 0", "set ppo.kl_loss_coef >= 0"
+            )
+        )
     for role in ("policy", "critic"):
         m: ModelConfig = getattr(cfg, role)
         _check_positive(r, f"{role}.lr", m.lr)
@@ -604,7 +653,10 @@ def validate(cfg: DriverConfig) -> ValidationReport:
             )
         )
         return r
-    for key, val in (("ppo.num_prompts_per_step", batch), ("async_rl.min_groups_for_streaming_train", minimum)):
+    for key, val in (
+        ("ppo.num_prompts_per_step", batch),
+        ("async_rl.min_groups_for_streaming_train", minimum),
+    ):
         if val % align:
             lo = max(align, val - val % align)
             r.errors.append(

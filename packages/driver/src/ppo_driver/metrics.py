@@ -79,11 +79,17 @@ def format_step_line(record: Mapping[str, Any]) -> str:
         ("critic_s", "perf/critic_s"),
     )
     parts = [f"step {record.get('step')}"]
-    parts += [f"{short}={_fmt(record[key])}" for short, key in keys if key in record and record[key] is not None]
+    parts += [
+        f"{short}={_fmt(record[key])}"
+        for short, key in keys
+        if key in record and record[key] is not None
+    ]
     return " | ".join(parts)
 
 
-def plot_rewards(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "mean reward") -> Path:
+def plot_rewards(
+    rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "mean reward"
+) -> Path:
     """Write a PNG of the mean reward per step (matplotlib, Agg backend)."""
     import matplotlib
 
@@ -91,7 +97,9 @@ def plot_rewards(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: 
     import matplotlib.pyplot as plt
 
     steps = [int(r["step"]) for r in rows if r.get("rollout/reward_mean") is not None]
-    rewards = [float(r["rollout/reward_mean"]) for r in rows if r.get("rollout/reward_mean") is not None]
+    rewards = [
+        float(r["rollout/reward_mean"]) for r in rows if r.get("rollout/reward_mean") is not None
+    ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, rewards, marker="o", linewidth=1.5)
     ax.set_xlabel("step")

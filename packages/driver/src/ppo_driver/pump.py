@@ -184,7 +184,10 @@ class _Residency:
         from ppo_lifecycle import Action, Phase, Transition, Work, plan_transitions
 
         plan = plan_transitions(
-            list(phases), resident=self.resident, pending_gradients=self.pending_gradients, end_resident=None
+            list(phases),
+            resident=self.resident,
+            pending_gradients=self.pending_gradients,
+            end_resident=None,
         )
         for item in plan:
             if isinstance(item, Work):
@@ -203,7 +206,7 @@ class _Residency:
         elif phases[0] is Phase.POLICY_UPDATE:
             self.pending_gradients = False
 
-    def save_both(self, save: Callable[[str], None], *, step: int) -> None:
+    def save_both(self, save: Callable[[str], object], *, step: int) -> None:
         """Checkpoint both models in the plan's order (resident one first), ending with
         the critic resident. Refused by the plan inside an update."""
         from ppo_lifecycle import Action, Phase, Role, Transition, Work, plan_transitions
@@ -265,7 +268,9 @@ class TrainPump:
         self.cfg = cfg
         self.actor, self.critic = actor, critic
         self.rollout, self.generation = rollout, generation
-        self.gate = ChunkGate(sampler, batch=cfg.batch_groups, min_groups=cfg.min_groups, alignment=alignment)
+        self.gate = ChunkGate(
+            sampler, batch=cfg.batch_groups, min_groups=cfg.min_groups, alignment=alignment
+        )
         self.pad_id = pad_id
         self.trace = trace
         self.gae, self.whiten = gae, whiten
@@ -336,12 +341,20 @@ class TrainPump:
             if not chunks:
                 denominator = self._loss_denominator(batch, whole_step=len(ids) == cfg.batch_groups)
             k = len(chunks) + 1
-            log.info("train_pump: step %d chunk %d: %d groups, %d samples", step, k, len(ids), batch["input_ids"].shape[0])
+            log.info(
+                "train_pump: step %d chunk %d: %d groups, %d samples",
+                step,
+                k,
+                len(ids),
+                batch["input_ids"].shape[0],
+            )
             with self.trace.span(f"chunk {k}", step=step, phase="chunk", args={"groups": len(ids)}):
                 # critic: value forward with the UNCHANGED critic -> old values for every critic epoch
                 self.residency.prepare(Phase.VALUE_FORWARD, step=step)
                 with self.trace.span("value forward", step=step, phase="value"):
-                    batch["old_values"] = self.critic.gather_rows("compute_values", _model_inputs(batch))
+                    batch["old_values"] = self.critic.gather_rows(
+                        "compute_values", _model_inputs(batch)
+                    )
                 # GAE per sample -> advantages, frozen returns; advantages normalised per chunk
                 advantages, returns = self.gae(
                     rewards=batch["rewards"],
@@ -357,9 +370,13 @@ class TrainPump:
                     # actor: log-prob (+ reference) forward
                     self.residency.prepare(Phase.POLICY_FORWARD, step=step)
                     with self.trace.span("logprob forward", step=step, phase="logprob"):
-                        batch["old_logprobs"] = self.actor.gather_rows("compute_logprobs", _model_inputs(batch))
+                        batch["old_logprobs"] = self.actor.gather_rows(
+                            "compute_logprobs", _model_inputs(batch)
+                        )
                         if ppo.kl_loss_coef > 0:
-                            batch["ref_logprobs"] = self.actor.gather_rows("compute_ref_logprobs", _model_inputs(batch))
+                            batch["ref_logprobs"] = self.actor.gather_rows(
+                                "compute_ref_logprobs", _model_inputs(batch)
+                            )
                         kl_sum += _engine_kl_sum(batch)
                     # actor: backward scaled by the WHOLE step's count; no optimizer step
                     if not full_batch_epochs:
@@ -375,8 +392,12 @@ class TrainPump:
         self._maybe_fail("after_chunks", step)
 
         full = assemble_full_batch(chunks, pad_id=self.pad_id)
-        assert int(full["input_ids"].shape[0]) == cfg.samples_per_step, "samples dropped or duplicated"
-        assert len(set(full["prompt_indices"].tolist())) == cfg.batch_groups, "a group was dropped or duplicated"
+        assert int(full["input_ids"].shape[0]) == cfg.samples_per_step, (
+            "samples dropped or duplicated"
+        )
+        assert len(set(full["prompt_indices"].tolist())) == cfg.batch_groups, (
+            "a group was dropped or duplicated"
+        )
 
         # actor: ONE optimizer + scheduler update (full-batch mode: one per policy epoch)
         update_metrics: dict[str, float] = {}
@@ -421,11 +442,22 @@ class TrainPump:
         totals = self.trace.take_step_totals()
         self._trace_generation(step)
         metrics = self._step_metrics(
-            step, full, chunk_groups, actor_metrics, update_metrics, critic_metrics, totals, step_s, waited, refit_s
+            step,
+            full,
+            chunk_groups,
+            actor_metrics,
+            update_metrics,
+            critic_metrics,
+            totals,
+            step_s,
+            waited,
+            refit_s,
         )
         if not warmup:
             metrics["rollout/kl_engine_trainer"] = kl_sum / max(1.0, float(full["loss_mask"].sum()))
-        return StepReport(step=step, chunk_groups=chunk_groups, group_ids=sorted(ids), metrics=metrics)
+        return StepReport(
+            step=step, chunk_groups=chunk_groups, group_ids=sorted(ids), metrics=metrics
+        )
 
     # ---------------------------------------------------------------- pieces
     def _loss_denominator(self, first_chunk: dict[str, torch.Tensor], *, whole_step: bool) -> float:
@@ -477,7 +509,12 @@ class TrainPump:
         window = self._gen_window.pop(step, None)
         if window is not None:
             self.trace.add(
-                f"generation step {step}", start_s=window[0], end_s=window[1], track="generation", step=step, phase="generation"
+                f"generation step {step}",
+                start_s=window[0],
+                end_s=window[1],
+                track="generation",
+                step=step,
+                phase="generation",
             )
 
     def _step_metrics(

@@ -20,7 +20,13 @@ from typing import Any
 
 import yaml
 
-from ppo_driver.checkpoint import find_latest, load_checkpoint, restore_rng, rng_state, save_checkpoint
+from ppo_driver.checkpoint import (
+    find_latest,
+    load_checkpoint,
+    restore_rng,
+    rng_state,
+    save_checkpoint,
+)
 from ppo_driver.config import DriverConfig, ModelConfig
 from ppo_driver.metrics import MetricsWriter, format_step_line, plot_rewards, read_metrics
 from ppo_driver.pump import StepReport, TrainPump
@@ -142,7 +148,9 @@ def _placement(cfg: DriverConfig) -> Any:
     from ppo_placement import SharedPlacement, check_streaming_layout, placement_layout
 
     layout = placement_layout(
-        actor_gpus=cfg.cluster.actor_gpus, rollout_gpus=cfg.cluster.rollout_gpus, colocate=cfg.cluster.colocate
+        actor_gpus=cfg.cluster.actor_gpus,
+        rollout_gpus=cfg.cluster.rollout_gpus,
+        colocate=cfg.cluster.colocate,
     )
     check_streaming_layout(layout, streaming=cfg.streaming)
     return SharedPlacement(layout).create()
@@ -223,7 +231,8 @@ def train(
     started_here = not ray.is_initialized()
     start_local_ray(
         num_gpus=cfg.cluster.actor_gpus + (0 if cfg.cluster.colocate else cfg.cluster.rollout_gpus),
-        num_cpus=cfg.cluster.num_cpus or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
+        num_cpus=cfg.cluster.num_cpus
+        or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
     )
     from ppo_driver.workers import TrainGroup
 
@@ -247,7 +256,11 @@ def train(
     actor.ready()
     critic.ready()
     ray.get([e.health.remote() for e in engines])
-    log.info("start-up: workers and %d engine(s) ready after %.1f s", len(engines), time.perf_counter() - t_run)
+    log.info(
+        "start-up: workers and %d engine(s) ready after %.1f s",
+        len(engines),
+        time.perf_counter() - t_run,
+    )
     refitter = WeightRefitter(actor=actor.handles[0], engines=engines)
     generation = _Generation(engines, refitter)
 
@@ -261,7 +274,9 @@ def train(
             evict_stale=cfg.async_rl.sampler.evict_stale,
         )
     )
-    records = synthetic_records(num_prompts=4096, seed=cfg.run.seed, max_count=int(cfg.rollout.extra.get("max_count", 8)))
+    records = synthetic_records(
+        num_prompts=4096, seed=cfg.run.seed, max_count=int(cfg.rollout.extra.get("max_count", 8))
+    )
     dataset = PromptDataset(records, tokenizer)
     reward_fn = load_reward_fn(cfg.rollout.reward) if cfg.rollout.reward else repeat_reward
     lookahead = cfg.async_rl.sampler.max_lookahead_versions
@@ -315,7 +330,9 @@ def train(
         critic.call("load_checkpoint", str(latest / "critic"))
         state = data.state
         sampler.load_state_dict(state["sampler"])
-        rollout_tensors = {k[len("rollout/") :]: v for k, v in data.tensors.items() if k.startswith("rollout/")}
+        rollout_tensors = {
+            k[len("rollout/") :]: v for k, v in data.tensors.items() if k.startswith("rollout/")
+        }
         manager.load_state_dict(state["rollout"], rollout_tensors)
         restore_rng(state["rng"], data.tensors)
         pump.completed_steps = int(state["completed_steps"])
@@ -323,11 +340,20 @@ def train(
         resumed_from = pump.completed_steps
         if pump.weight_version > 0:
             generation.refit(version=pump.weight_version)  # engines get the checkpoint's policy
-        log.info("resumed from %s: %d step(s) done, weight version %d", latest.name, pump.completed_steps, pump.weight_version)
+        log.info(
+            "resumed from %s: %d step(s) done, weight version %d",
+            latest.name,
+            pump.completed_steps,
+            pump.weight_version,
+        )
     pump.residency.start()
 
-    metrics_writer = MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=pump.completed_steps if resume else None)
-    result = RunResult(run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from)
+    metrics_writer = MetricsWriter(
+        run_dir / "metrics.jsonl", keep_steps_below=pump.completed_steps if resume else None
+    )
+    result = RunResult(
+        run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from
+    )
     mode = "streaming" if cfg.streaming else "full-batch"
     log.info(
         "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
@@ -345,7 +371,9 @@ def train(
 
         def write_models(tmp: Path) -> None:
             pump.residency.save_both(
-                lambda role: (actor if role == "actor" else critic).call("save_checkpoint", str(tmp / role)),
+                lambda role: (actor if role == "actor" else critic).call(
+                    "save_checkpoint", str(tmp / role)
+                ),
                 step=step_done,
             )
 
@@ -381,19 +409,29 @@ def train(
             metrics_writer.write(metrics)
             result.metrics.append(metrics)
             result.completed_steps = pump.completed_steps
-            prefix = _progress_bar(pump.completed_steps, cfg.run.num_steps) + " " if cfg.run.progress else ""
+            prefix = (
+                _progress_bar(pump.completed_steps, cfg.run.num_steps) + " "
+                if cfg.run.progress
+                else ""
+            )
             log.info("%s%s", prefix, format_step_line(metrics))
             if on_step is not None:
                 on_step(report)
             every = cfg.run.checkpoint_every
-            if (every and pump.completed_steps % every == 0) or pump.completed_steps == cfg.run.num_steps:
+            if (
+                every and pump.completed_steps % every == 0
+            ) or pump.completed_steps == cfg.run.num_steps:
                 checkpoint(pump.completed_steps)
     finally:
         metrics_writer.close()
         trace.write(run_dir / "trace.json")
-        rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        rows = (
+            read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        )
         if rows:
-            plot_rewards(rows, run_dir / "reward.png", title=f"{cfg.run.name}: mean reward ({mode})")
+            plot_rewards(
+                rows, run_dir / "reward.png", title=f"{cfg.run.name}: mean reward ({mode})"
+            )
         for group in (actor, critic):
             group.kill()
         for engine in engines:
@@ -432,4 +470,6 @@ def _summary(result: RunResult, cfg: DriverConfig) -> None:
         tail,
         result.run_dir,
     )
-    log.info("outputs: metrics.jsonl, reward.png, trace.json (open in https://ui.perfetto.dev), train.log, checkpoints/")
+    log.info(
+        "outputs: metrics.jsonl, reward.png, trace.json (open in https://ui.perfetto.dev), train.log, checkpoints/"
+    )

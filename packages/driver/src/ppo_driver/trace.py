@@ -83,7 +83,15 @@ class TraceRecorder:
         try:
             yield
         finally:
-            self.add(name, start_s=start, end_s=time.perf_counter(), track=track, step=step, args=args, phase=phase)
+            self.add(
+                name,
+                start_s=start,
+                end_s=time.perf_counter(),
+                track=track,
+                step=step,
+                args=args,
+                phase=phase,
+            )
 
     def take_step_totals(self) -> dict[str, float]:
         totals = self.step_timer.totals

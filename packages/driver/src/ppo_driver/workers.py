@@ -51,15 +51,54 @@ def _slice_tree(value: Any, rows: slice) -> Any:
     return value
 
 
+def _own_optimizer_storage(worker: Any, *, depth: int = 2) -> int:
+    """Give optimizer state loaded from a checkpoint storage of its own.
+
+    Work-around (until the trainer copies on load): ``load_checkpoint`` hands the
+    optimizer tensors read by safetensors, whose storage is not resizable, and the
+    lifecycle's host-copy offload frees a tensor by resizing its storage to 0. Without
+    this the first ``sleep()`` after ``--resume`` fails. Returns the tensors copied.
+    """
+    copied = 0
+    frontier: list[Any] = [worker]
+    seen: set[int] = set()
+    for _ in range(depth + 1):
+        nxt: list[Any] = []
+        for obj in frontier:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    for key, value in list(state.items()):
+                        if (
+                            isinstance(value, torch.Tensor)
+                            and not value.untyped_storage().resizable()
+                        ):
+                            state[key] = value.clone()
+                            copied += 1
+                continue
+            attrs = getattr(obj, "__dict__", None)
+            if isinstance(attrs, dict):
+                nxt.extend(v for v in attrs.values() if hasattr(v, "__dict__"))
+        frontier = nxt
+    return copied
+
+
 class _Host:
     """The per-rank Ray actor body: builds the trainer worker and forwards calls."""
 
-    def __init__(self, worker_cls: type, config: Any, rank: int, world_size: int, init: str | None) -> None:
+    def __init__(
+        self, worker_cls: type, config: Any, rank: int, world_size: int, init: str | None
+    ) -> None:
         torch.set_num_threads(1)
         self.worker = worker_cls(config, rank=rank, world_size=world_size, dist_init_method=init)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        out = getattr(self.worker, method)(*args, **kwargs)
+        if method == "load_checkpoint":
+            _own_optimizer_storage(self.worker)
+        return out
 
     def attr(self, name: str) -> Any:
         return getattr(self.worker, name)
@@ -86,8 +125,8 @@ class TrainGroup:
         self.world_size = len(slots)
         init = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
         remote_cls = ray.remote(_Host)
-        self.handles = [
-            remote_cls.options(  # type: ignore[attr-defined]
+        self.handles: list[Any] = [
+            remote_cls.options(
                 **slot.actor_options(),
                 runtime_env={"env_vars": dict(_WORKER_ENV)},
                 max_concurrency=1,
@@ -106,7 +145,9 @@ class TrainGroup:
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return ray.get(self.handles[0].call.remote(method, args, kwargs))
 
-    def call_sharded(self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any) -> list[Any]:
+    def call_sharded(
+        self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any
+    ) -> list[Any]:
         """Shard ``batch`` and every tensor (or dict of tensors) in ``per_sample`` by rows."""
         rows = int(next(iter(batch.values())).shape[0])
         shards = shard_rows(rows, self.world_size)
@@ -116,7 +157,9 @@ class TrainGroup:
             refs.append(handle.call.remote(method, (_slice_tree(batch, rows_r),), kw))
         return list(ray.get(refs))
 
-    def gather_rows(self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any) -> torch.Tensor:
+    def gather_rows(
+        self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any
+    ) -> torch.Tensor:
         """A sharded call whose per-rank results are ``[B_r, T]`` tensors, concatenated."""
         return torch.cat(self.call_sharded(method, batch, **per_sample), dim=0)
 

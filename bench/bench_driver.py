@@ -1,0 +1,71 @@
+"""Step time of streaming against full-batch PPO, same config and seed, in one run.
+
+The built-in task (response lengths vary per sample: a real long tail, no sleeps), the
+default tiny models, one Ray cluster for both modes. Reports per mode: chunks per step,
+mean step time, and the fraction of each step the training devices sat idle (the time
+the pump waited for the sampler to release a chunk, over the step time). The first step
+of each mode is a warm-up and is not counted.
+
+    uv run --frozen python bench/bench_driver.py [--steps 6] [overrides ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _run(mode: str, overrides: list[str], steps: int, root: Path) -> list[dict[str, Any]]:
+    from ppo_driver.config import load_config
+    from ppo_driver.run import train
+
+    cfg, _ = load_config(None, [*overrides, f"run.num_steps={steps}", "run.checkpoint_every=0"])
+    if mode == "full-batch":
+        cfg.async_rl.min_groups_for_streaming_train = cfg.ppo.num_prompts_per_step
+    cfg.run.progress = False
+    result = train(cfg, run_dir=root / mode, keep_ray=True)
+    return result.metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from ppo_placement import shutdown_local_ray, start_local_ray
+
+    t0 = time.perf_counter()
+    start_local_ray(num_gpus=2, num_cpus=4)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("streaming", "full-batch"):
+            rows[mode] = _run(mode, list(args.overrides), args.steps, Path(tmp))
+    shutdown_local_ray()
+
+    print()
+    print(f"{'mode':<11} {'chunks/step':>11} {'step_s':>8} {'wait_s':>8} {'idle':>6} {'reward':>7}")
+    summary: dict[str, float] = {}
+    for mode, metrics in rows.items():
+        timed = metrics[1:] or metrics
+        step_s = statistics.mean(r["perf/step_s"] for r in timed)
+        wait_s = statistics.mean(r["perf/wait_s"] for r in timed)
+        idle = statistics.mean(r["perf/wait_s"] / r["perf/step_s"] for r in timed)
+        chunks = statistics.mean(r["train/chunks"] for r in timed)
+        reward = statistics.mean(r["rollout/reward_mean"] for r in timed)
+        summary[mode] = step_s
+        print(
+            f"{mode:<11} {chunks:>11.2f} {step_s:>8.3f} {wait_s:>8.3f} {idle:>6.1%} {reward:>7.3f}"
+        )
+    print(
+        f"step time full-batch / streaming: {summary['full-batch'] / summary['streaming']:.2f}x "
+        f"(steps {2}..{args.steps} of each mode; total bench {time.perf_counter() - t0:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
