@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from ppo_placement import Slot
 def _where_actors_run(slots: list[Slot], *, timeout_s: float = 300.0) -> list[dict[str, Any]]:
     """Start an actor on every slot AT ONCE (so shares must fit), report, then kill them.
 
-    Returns one ``{"node_id", "node_ip", "gpu_ids"}`` per slot, in order.
+    Returns one ``{"node_id", "node_ip", "gpu_ids", "cuda_visible_devices"}`` per slot.
     """
 
     # Defined here so that Ray pickles it by value (the test modules are not importable
@@ -24,6 +25,7 @@ def _where_actors_run(slots: list[Slot], *, timeout_s: float = 300.0) -> list[di
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "node_ip": ray.util.get_node_ip_address(),
                 "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             }
 
     remote_where = ray.remote(Where)
