@@ -311,9 +311,16 @@ def test_chunked_backward_equals_full_batch_and_survives_sleep() -> None:
         torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=0, msg=name)
 
 
-def test_checkpoint_round_trip(tmp_path: object) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="classic"),
+        pytest.param({"optimizer": {"use_distributed_optimizer": True}}, id="distopt"),
+    ],
+)
+def test_checkpoint_round_trip(tmp_path: object, options: dict[str, object]) -> None:
     batch = _batch(4)
-    actor = _actor(kl_loss_coef=0.1)
+    actor = _actor(kl_loss_coef=0.1, backend_options=options)
     for _ in range(2):  # two steps, so the optimizer has state
         old = actor.compute_logprobs(batch)
         ref = actor.compute_ref_logprobs(batch)
@@ -327,7 +334,7 @@ def test_checkpoint_round_trip(tmp_path: object) -> None:
         )
         actor.finish_step()
     actor.save_checkpoint(tmp_path)  # type: ignore[arg-type]
-    other = _actor(kl_loss_coef=0.1)
+    other = _actor(kl_loss_coef=0.1, backend_options=options)
     other.load_checkpoint(tmp_path)  # type: ignore[arg-type]
     for name, value in actor.export_weights().items():
         assert torch.equal(other.export_weights()[name], value), name
@@ -363,3 +370,28 @@ def test_critic_values_and_training() -> None:
     mask = batch["loss_mask"].bool()
     # training moved the values toward the returns
     assert (new_values - returns)[mask].abs().mean() < (old_values - returns)[mask].abs().mean()
+
+
+def test_one_step_matches_the_torch_backend() -> None:
+    """Same spec, data and hyper-parameters (weight decay on every parameter, clipping,
+    warm-up): megatron-core and transformers + torch AdamW land on the same weights."""
+    batch = _batch(6)
+    weights = {}
+    for name in ("torch", "megatron"):
+        actor = ActorWorker(
+            ActorConfig(
+                model=SPEC,
+                backend=name,
+                device="cpu",
+                lr=1e-3,
+                weight_decay=0.1,
+                max_grad_norm=0.5,
+                warmup_steps=1,
+                micro_batch_size=2,
+            )
+        )
+        _actor_step(actor, [_rows(batch, 0, 3), _rows(batch, 3, 4)], batch)
+        actor.finish_step()
+        weights[name] = actor.export_weights()
+    for name, value in weights["torch"].items():
+        torch.testing.assert_close(weights["megatron"][name], value, atol=2e-5, rtol=0, msg=name)

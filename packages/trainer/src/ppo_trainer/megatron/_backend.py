@@ -109,6 +109,13 @@ def _megatron_call() -> Iterator[None]:
     with warnings.catch_warnings(), cuda_as_cpu():
         for category in (UserWarning, DeprecationWarning, FutureWarning):
             warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
+        # megatron's buffers (distributed optimizer) call collectives that torch 2.14
+        # deprecates; the warning is attributed to torch's c10d wrapper, not to megatron.
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)`",
+            category=FutureWarning,
+        )
         yield
 
 
@@ -519,6 +526,10 @@ class MegatronTrainModel(MegatronFrozenModel):
                 params_dtype=dtype,
             )
             self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
+            # megatron exempts biases and norms from weight decay; the torch backend's
+            # AdamW decays every parameter. Same rule here, so both backends agree.
+            for group in self.optimizer.param_groups:
+                group["weight_decay"] = config.weight_decay
         self._steps = 0
         # Parameters live in DDP's param buffer, gradients in its separate grad buffer
         # (``main_grad`` views), Adam's moments in the inner torch optimizers' state.
@@ -608,7 +619,10 @@ class MegatronTrainModel(MegatronFrozenModel):
                         k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
                         for k, v in inner.state[p].items()
                     }
-            optim.append({"state": state, "num_params": len(params)})
+            # The inner optimizer's parameters are the main (fp32) copies under mixed
+            # precision or the distributed optimizer: saved too, so a restore is exact.
+            main = {str(i): p.detach().to("cpu", copy=True) for i, p in enumerate(params)}
+            optim.append({"state": state, "num_params": len(params), "main_params": main})
         return {"model": model, "optimizer": optim, "scheduler": {"step": self._steps}}
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
@@ -631,6 +645,10 @@ class MegatronTrainModel(MegatronFrozenModel):
                         for k, v in values.items()
                     }
             self.optimizer.reload_model_params()
+            for inner, saved in zip(inners, state["optimizer"], strict=True):
+                params = [p for g in inner.param_groups for p in g["params"]]
+                for i, p in enumerate(params):
+                    p.copy_(saved["main_params"][str(i)].to(dtype=p.dtype, device=p.device))
         self._steps = int(state["scheduler"]["step"])
 
     # -- offload --------------------------------------------------------------------------
