@@ -232,15 +232,16 @@ def main() -> None:
     worker_step(actor, critic, batch, args, lifecycle=True)
     critic.wake_up()
     times: dict[str, list[float]] = {"baseline": [], "workers": [], "workers+lifecycle": []}
-    for _ in range(args.steps):
-        critic.wake_up()  # untimed: the plain path runs with both models resident
-        times["baseline"].append(timed(lambda: base.step(batch)))
-        times["workers"].append(
-            timed(lambda: worker_step(actor, critic, batch, args, lifecycle=False))
-        )
-        times["workers+lifecycle"].append(
-            timed(lambda: worker_step(actor, critic, batch, args, lifecycle=True))
-        )
+    runs = {
+        "baseline": lambda: base.step(batch),
+        "workers": lambda: worker_step(actor, critic, batch, args, lifecycle=False),
+        "workers+lifecycle": lambda: worker_step(actor, critic, batch, args, lifecycle=True),
+    }
+    order = list(runs)
+    for i in range(args.steps):
+        for name in order[i % 3 :] + order[: i % 3]:  # rotate: no side always runs first
+            critic.wake_up()  # untimed: the plain paths start with both models resident
+            times[name].append(timed(runs[name]))
 
     print(
         f"one PPO step, tiny Qwen2 (vocab {spec.vocab_size}, hidden {spec.hidden_size}, "
