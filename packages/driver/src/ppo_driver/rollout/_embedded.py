@@ -202,7 +202,7 @@ class EmbeddedEngine:
             paused=not self._unpaused.is_set(),
             memory_released=self._released,
             groups_served=self.groups_served,
-            extra={"pid": os.getpid(), "device": str(self.device)},
+            extra={"pid": os.getpid(), "device": str(self.device), "busy": self._busy},
         )
 
     # -- weights ----------------------------------------------------------------------------

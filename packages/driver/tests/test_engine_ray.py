@@ -1,0 +1,273 @@
+"""Embedded engines, weight refit and the rollout manager on a real local Ray cluster
+(127.0.0.1, one cluster for the module) with tiny real models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ppo_driver.rollout import (
+    CharTokenizer,
+    GroupOutput,
+    GroupRequest,
+    PromptDataset,
+    ReplayBuffer,
+    RolloutManager,
+    SamplingParams,
+    WeightRefitter,
+    build_batch,
+    launch_embedded_engines,
+    repeat_reward,
+    score_group,
+    synthetic_records,
+)
+from ppo_sampler import InOrderSampler
+from ppo_trainer import ActorConfig, ActorWorker, ModelSpec
+
+TOK = CharTokenizer()
+SPEC = ModelSpec(
+    vocab_size=TOK.vocab_size,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    seed=0,
+)
+PARAMS = SamplingParams(n=4, max_new_tokens=14, stop_token_ids=(TOK.eos_id,))
+DATA = PromptDataset(synthetic_records(num_prompts=64, seed=1, max_count=12), TOK)
+LOGPROB_ATOL = 1e-5  # fp32 KV-cache decoding vs the trainer's full forward
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    from ppo_placement import shutdown_local_ray, start_local_ray
+
+    start_local_ray(num_cpus=8)
+    yield
+    shutdown_local_ray()
+
+
+@pytest.fixture(scope="module")
+def engines() -> list[Any]:
+    handles = launch_embedded_engines(2, model=SPEC, run_seed=11, num_cpus=1)
+    ray.get([e.health.remote() for e in handles], timeout=300)
+    return handles
+
+
+def _requests(ids: list[int]) -> list[GroupRequest]:
+    return [GroupRequest(prompt_index=i, prompt_ids=DATA.prompt_ids(i), params=PARAMS) for i in ids]
+
+
+def _strip(out: GroupOutput) -> tuple[Any, ...]:
+    return (out.prompt_index, out.prompt_ids, out.samples, out.weight_version)
+
+
+def test_same_seed_different_dispatch_gives_identical_samples(engines: list[Any]) -> None:
+    ids = list(range(12))
+    together = ray.get(engines[0].generate.remote(_requests(ids)))
+    refs = [engines[k % 2].generate.remote(_requests([i])) for k, i in enumerate(reversed(ids))]
+    apart = [out for r in refs for out in ray.get(r)][::-1]
+    assert [_strip(o) for o in together] == [_strip(o) for o in apart]
+    assert {o.engine_id for o in apart} == {"engine-0", "engine-1"}
+    lengths = {len(s.token_ids) for o in together for s in o.samples}
+    assert len(lengths) >= 4  # lengths genuinely vary
+
+
+def _check_against_trainer(actor: Any, outputs: list[GroupOutput]) -> float:
+    groups = [
+        score_group(o, record=DATA.record(o.prompt_index), reward_fn=repeat_reward, tokenizer=TOK)
+        for o in outputs
+    ]
+    batch = build_batch(groups, pad_id=TOK.pad_id)
+    trainer = ray.get(actor.compute_logprobs.remote(batch))
+    mask = batch["loss_mask"].bool()
+    return float((trainer[mask] - batch["engine_logprobs"][mask]).abs().max())
+
+
+def test_refit_makes_engines_match_the_trainer(engines: list[Any], tmp_path: Path) -> None:
+    actor = ray.remote(ActorWorker).options(num_cpus=1).remote(ActorConfig(model=SPEC))
+    reqs = _requests([20, 21, 22])
+    before = ray.get(engines[0].generate.remote(reqs))
+    assert _check_against_trainer(actor, before) < LOGPROB_ATOL  # same spec, same weights
+
+    weights = ray.get(actor.export_weights.remote())
+    gen = torch.Generator().manual_seed(5)
+    ray.get(
+        actor.load_weights.remote(
+            {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+        )
+    )
+    assert _check_against_trainer(actor, before) > 1e-2  # the trainer moved on
+
+    refitter = WeightRefitter(actor=actor, engines=engines, backend="gloo", bucket_bytes=8192)
+    stats = refitter.refit(version=1)
+    assert stats.buckets > 1 and stats.bytes == sum(v.numel() * 4 for v in weights.values())
+    after = [ray.get(e.generate.remote(reqs)) for e in engines]
+    assert [_strip(o) for o in after[0]] == [_strip(o) for o in after[1]]
+    assert all(o.weight_version == 1 for o in after[0])
+    assert [o.samples for o in after[0]] != [o.samples for o in before]
+    assert _check_against_trainer(actor, after[0]) < LOGPROB_ATOL
+
+    # a second refit over the same group, then the safetensors fallback
+    assert refitter.refit(version=2).version == 2
+    ray.get(actor.load_weights.remote(weights))
+    disk = refitter.refit_from_disk(version=3, path=tmp_path / "w")
+    assert disk.transport == "disk"
+    back = ray.get(engines[1].generate.remote(reqs))
+    assert all(o.weight_version == 3 for o in back)
+    assert _check_against_trainer(actor, back) < LOGPROB_ATOL
+    # the original weights under a new version: a new random stream, same distribution
+    assert [o.samples for o in back] != [o.samples for o in before]
+    ray.kill(actor)
+
+
+def test_pause_waits_for_the_running_group_and_blocks_new_ones(engines: list[Any]) -> None:
+    e = engines[1]
+    ray.get(e.set_step_delay.remote(0.02))
+    served = ray.get(e.health.remote()).groups_served
+    running = e.generate.remote(_requests([30]))
+    deadline = time.monotonic() + 60
+    while ray.get(e.health.remote()).extra["busy"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ray.get(e.pause_generation.remote())
+    # pause returned only after the running group finished
+    assert ray.get(e.health.remote()).groups_served == served + 1
+    assert ray.get(running, timeout=30)[0].prompt_index == 30
+    blocked = e.generate.remote(_requests([31]))
+    done, _ = ray.wait([blocked], timeout=1.0)
+    assert not done and ray.get(e.health.remote()).paused
+    ray.get(e.continue_generation.remote())
+    assert ray.get(blocked, timeout=60)[0].prompt_index == 31
+    ray.get(e.set_step_delay.remote(0.0))
+    ray.get(e.release_memory.remote())
+    assert ray.get(e.health.remote()).memory_released
+    ray.get(e.resume_memory.remote())
+
+
+def _manager(engines: list[Any], sampler: InOrderSampler, **kw: Any) -> RolloutManager:
+    opts: dict[str, Any] = {
+        "dataset": DATA,
+        "reward_fn": repeat_reward,
+        "params": PARAMS,
+        "prompts_per_step": 4,
+        "max_in_flight": 3,
+    }
+    opts.update(kw)
+    return RolloutManager(engines=engines, sampler=sampler, **opts)
+
+
+def _run_until(m: RolloutManager, cond: Any, *, trainer_step: int, limit_s: float = 240) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, "rollout did not finish in time"
+        m.pump(trainer_step=trainer_step, timeout_s=0.2)
+
+
+def test_lookahead_and_in_flight_bounds(engines: list[Any]) -> None:
+    sampler = InOrderSampler(max_lookahead_versions=1)
+    m = _manager(engines, sampler, max_in_flight=3)
+    _run_until(m, lambda: m.idle() and len(m.buffer) == 8, trainer_step=0)
+    for _ in range(3):
+        m.pump(trainer_step=0, timeout_s=0.1)
+    assert m.max_step_dispatched == 1 and len(m.buffer) == 8  # steps 0 and 1 only
+    assert m.peak_in_flight <= 3 and set(m.dispatch_counts.values()) == {1}
+    ids = sampler.select(trainer_step=0, trainer_version=0, remaining=4, min_groups=4)
+    assert sorted(ids) == [0, 1, 2, 3]
+    batch = m.claim(ids)
+    assert batch["input_ids"].shape[0] == 16 and batch["sample_rewards"].shape == (16,)
+    m.release(ids)
+    _run_until(m, lambda: len(m.buffer) == 8 and m.idle(), trainer_step=1)
+    assert m.max_step_dispatched == 2 and sorted(m.buffer.ready_ids()) == list(range(4, 12))
+
+
+def _flaky_reward(*, response: str, record: Any, finish_reason: str) -> float:
+    if record is DATA.record(2):
+        raise ZeroDivisionError("the grader crashed")
+    if record is DATA.record(5):
+        return float("nan")
+    return repeat_reward(response=response, record=record, finish_reason=finish_reason)
+
+
+def test_bad_rewards_fail_their_group_and_the_step_is_refilled(engines: list[Any]) -> None:
+    sampler = InOrderSampler(max_lookahead_versions=0)
+    m = _manager(engines, sampler, reward_fn=_flaky_reward, groups_per_call=2)
+    _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0)
+    assert [(f.group_id, f.step) for f in m.failures] == [(2, 0)]
+    assert "ZeroDivisionError: the grader crashed" in m.failures[0].message
+    assert sorted(m.buffer.ready_ids()) == [0, 1, 3, 4]  # prompt 4 took the failed one's place
+    ids = sampler.select(trainer_step=0, trainer_version=0, remaining=4, min_groups=4)
+    m.claim(ids)
+    m.release(ids)
+    _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=1)
+    assert [(f.group_id, f.step) for f in m.failures] == [(2, 0), (5, 1)]
+    assert "sample 0 is nan; rewards must be finite" in m.failures[1].message
+    assert sorted(m.buffer.ready_ids()) == [6, 7, 8, 9] and sampler.num_ready == 4
+    assert 2 not in m.buffer and 5 not in m.buffer
+
+
+def test_checkpoint_with_groups_in_flight_loses_and_duplicates_nothing(
+    engines: list[Any], tmp_path: Path
+) -> None:
+    ref_sampler = InOrderSampler(max_lookahead_versions=1)
+    ref = _manager(engines, ref_sampler)
+    _run_until(ref, lambda: ref.idle() and len(ref.buffer) == 8, trainer_step=0)
+
+    sampler = InOrderSampler(max_lookahead_versions=1)
+    a = _manager(engines, sampler)
+    _run_until(a, lambda: len(a.buffer) >= 2 and a.groups_in_flight > 0, trainer_step=0)
+    ids = sampler.select(trainer_step=0, trainer_version=0, remaining=4, min_groups=1)
+    a.claim(ids)  # claimed but not released: the update never completed
+    a.save(tmp_path)
+    sampler_state = sampler.state_dict()
+    in_flight = set(a.in_flight_ids())
+    assert in_flight
+
+    sampler2 = InOrderSampler(max_lookahead_versions=1)
+    sampler2.load_state_dict(sampler_state)
+    sampler2.release_claim(sampler2.claimed())
+    b = _manager(engines, sampler2, buffer=ReplayBuffer())
+    b.load(tmp_path)
+    _run_until(b, lambda: b.idle() and len(b.buffer) == 8, trainer_step=0)
+    assert sorted(b.buffer.ready_ids()) == list(range(8))
+    assert all(b.dispatch_counts[g] == 1 for g in in_flight)
+    assert not set(b.dispatch_counts) - in_flight  # only the lost ones were re-sent
+    for g in range(8):
+        assert b.buffer.get(g) == ref.buffer.get(g)
+    assert sampler2.num_ready == 8
+
+
+def test_engine_death_mid_step_loses_nothing() -> None:
+    (engine,) = launch_embedded_engines(
+        1, model=SPEC, run_seed=11, num_cpus=1, name_prefix="victim"
+    )
+    first = ray.get(engine.health.remote(), timeout=300)
+    ray.get(engine.set_step_delay.remote(0.03))
+    sampler = InOrderSampler(max_lookahead_versions=0)
+    restarted: list[int] = []
+    m = _manager(
+        [engine],
+        sampler,
+        max_in_flight=4,
+        groups_per_call=2,
+        on_engine_restart=lambda i, h: restarted.append(i),
+    )
+    _run_until(m, lambda: m.groups_in_flight > 0, trainer_step=0)
+    engine.crash.remote()
+    _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0, limit_s=400)
+    assert restarted == [0] and m.redispatched
+    assert ray.get(engine.health.remote()).incarnation != first.incarnation
+    assert sorted(m.buffer.ready_ids()) == [0, 1, 2, 3] and sampler.num_ready == 4
+    assert all(m.dispatch_counts[g] == 2 for g in m.redispatched)
+    assert all(m.dispatch_counts[g] == 1 for g in range(4) if g not in m.redispatched)
+    # the re-dispatched groups are exactly what an undisturbed engine produces
+    fresh = ray.get(engine.generate.remote(_requests([0, 1, 2, 3])))
+    assert [_strip(o) for o in fresh] == [_strip(m.buffer.get(g).output) for g in range(4)]
+    ray.kill(engine)
