@@ -10,7 +10,9 @@ Run: ``uv run --frozen python bench/bench_placement.py [--cold 1] [--warm 1]``.
   one probe task per bundle) and ``teardown()``.
 
 Reports median and max seconds, plus the ratios warm / cold and placement / warm start.
-On the shared 2-core machine the numbers move with the load average, printed alongside.
+On the shared 2-core machine the numbers move with the load average, printed alongside;
+``attempts`` > 1 means the raylet aborted a start (its agent missed the 30 s port-file
+window) and ``start_local_ray`` retried: the time includes the failed attempt.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"load average at start: {_load()}  (cores: {os.cpu_count()})")
-    cold_import, cold_start, cold_shutdown = [], [], []
+    cold_import, cold_start, cold_shutdown, cold_attempts = [], [], [], []
     for _ in range(args.cold):
         out = subprocess.run(
             [sys.executable, "-c", _COLD], capture_output=True, text=True, check=True
@@ -64,6 +66,7 @@ def main() -> None:
         cold_import.append(record["import_s"])
         cold_start.append(record["start_s"])
         cold_shutdown.append(record["shutdown_s"])
+        cold_attempts.append(record["attempts"])
 
     from ppo_placement import (
         SharedPlacement,
@@ -96,7 +99,7 @@ def main() -> None:
     print()
     print(f"{'seconds':<34} {'median':>8} {'max':>8} {'n':>3}")
     _row("cold: import ray", cold_import)
-    _row("cold: start_local_ray(num_gpus=4)", cold_start)
+    _row("cold: start_local_ray(num_gpus=4)", cold_start, f"attempts {cold_attempts}")
     _row("cold: shutdown_local_ray", cold_shutdown)
     _row("warm: start_local_ray(num_gpus=4)", warm_start, f"attempts {attempts}")
     _row("warm: shutdown_local_ray", warm_shutdown)
