@@ -5,13 +5,14 @@ Plain data parallel 2 (classic DDP) runs in the contract suite
 (``test_contract.py::test_two_data_parallel_ranks_match_single_process[megatron]``).
 Both ranks run every layout in turn in one pair of spawned processes (megatron's
 ``parallel_state`` is re-initialised between layouts), so megatron is imported twice,
-not six times. ``torch.multiprocessing`` joins (and on a failure terminates) the
-children. Tolerances as in ``test_megatron_backend.py``: log-probs ``atol=1e-5``,
+not six times. The children are always joined; one that fails or hangs past 480 s
+fails the test and both are terminated. Tolerances as in ``test_megatron_backend.py``: log-probs ``atol=1e-5``,
 weights after one Adam step ``atol=2e-5``.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,24 @@ def _rank_main(rank: int, init: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("megatron2")
-    mp.start_processes(
+    context = mp.start_processes(
         _rank_main,
         args=(f"file://{out / 'pg'}", str(out)),
         nprocs=2,
-        join=True,
+        join=False,
         start_method="spawn",
     )
+    deadline = time.monotonic() + 480.0
+    try:
+        # join() re-raises a child's exception (and then terminates the other child)
+        while not context.join(timeout=5.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the two megatron ranks did not finish within 480 s")
+    finally:
+        for process in context.processes:  # never leave a rank behind (hang, failure)
+            if process.is_alive():
+                process.terminate()
+            process.join()
     return out
 
 
