@@ -137,11 +137,10 @@ class HostCopyBackend:
         assert part in self._saved, f"{part} reloaded without being offloaded"
         pending = self._saved[part]
         restored = 0
-        # Allocate everything first (may raise OOM; nothing is lost then, retry later).
         for item in pending:
+            # A retry after a failed wake-up skips storages already allocated.
             if item.storage.nbytes() != item.nbytes:
                 item.storage.resize_(item.nbytes)
-        for item in pending:
             item.storage.copy_(item.host.untyped_storage(), non_blocking=self.pin_memory)
             restored += item.nbytes
         _synchronize(self.device)
