@@ -88,13 +88,13 @@ def save_checkpoint(
     tensors: Mapping[str, torch.Tensor],
     write_models: Callable[[Path], None],
     keep: int = 2,
-    fail_at: str | None = None,
+    crash_hook: Callable[[str], None] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and return its final path.
 
     ``write_models(tmp_dir)`` writes the workers' files (``actor/``, ``critic/``) into
-    the side directory. ``fail_at`` injects a crash at a named point for tests
-    (``"after_models"``, ``"before_rename"``).
+    the side directory. ``crash_hook(point)`` is called at ``"after_models"`` and
+    ``"before_rename"`` (tests inject crashes there).
     """
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -104,16 +104,16 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     write_models(tmp)
-    if fail_at == "after_models":
-        raise RuntimeError("injected failure: after_models")
+    if crash_hook is not None:
+        crash_hook("after_models")
     (tmp / "driver.json").write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
         str(tmp / "tensors.safetensors"),
     )
     _fsync_tree(tmp)
-    if fail_at == "before_rename":
-        raise RuntimeError("injected failure: before_rename")
+    if crash_hook is not None:
+        crash_hook("before_rename")
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)

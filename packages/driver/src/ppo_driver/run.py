@@ -29,7 +29,7 @@ from ppo_driver.checkpoint import (
 )
 from ppo_driver.config import DriverConfig, ModelConfig
 from ppo_driver.metrics import MetricsWriter, format_step_line, plot_rewards, read_metrics
-from ppo_driver.pump import StepReport, TrainPump
+from ppo_driver.pump import InjectedFailure, StepReport, TrainPump
 from ppo_driver.trace import TraceRecorder
 
 __all__ = ["RunResult", "build_trainer_configs", "train"]
@@ -377,6 +377,10 @@ def train(
                 step=step_done,
             )
 
+        def crash_hook(point: str) -> None:
+            if fail_at == f"{step_done}:checkpoint" and point == "after_models":
+                raise InjectedFailure(f"injected failure while writing checkpoint {step_done}")
+
         rollout_meta, rollout_tensors = manager.state_dict()
         rng_json, rng_tensors = rng_state()
         tensors = {**rng_tensors, **{f"rollout/{k}": v for k, v in rollout_tensors.items()}}
@@ -395,7 +399,7 @@ def train(
                 tensors=tensors,
                 write_models=write_models,
                 keep=cfg.run.keep_checkpoints,
-                fail_at="after_models" if fail_at == f"{step_done}:checkpoint" else None,
+                crash_hook=crash_hook,
             )
         log.info("checkpoint %s", path)
 
