@@ -167,7 +167,9 @@ class TorchMemorySaverBackend:
     enable_cpu_backup=...)``. A trainer can allocate directly in the right region
     with :meth:`region` (no copy at the first sleep); anything found outside is
     moved into its part's region once, at the first sleep that offloads it (the
-    tensor objects are kept: ``Tensor.set_`` onto the new storage).
+    tensor objects are kept: ``Tensor.set_`` onto the new storage). Storages are
+    recognised by identity; one freed and replaced at the same address outside the
+    region would be missed by a pause (it stays resident, its contents intact).
 
     Args:
         device: a CUDA device.

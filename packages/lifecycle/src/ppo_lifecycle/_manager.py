@@ -150,10 +150,12 @@ class OffloadManager:
     def device_bytes(self) -> int:
         """Bytes the model's tensors hold on the device right now (measured)."""
         seen: dict[int, int] = {}
+        away = self.backend.offloaded_keys()  # paused memory-saver storages keep their size
         for tensors in self._inventory().values():
             for tensor in tensors:
                 storage = tensor.untyped_storage()
-                seen[storage._cdata] = storage.nbytes()
+                if storage._cdata not in away:
+                    seen[storage._cdata] = storage.nbytes()
         return sum(seen.values())
 
     @contextlib.contextmanager
