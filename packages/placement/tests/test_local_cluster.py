@@ -63,7 +63,7 @@ def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
 
 
 def test_reuse_refuses_a_cluster_with_too_few_gpus(local_ray: LocalRay) -> None:
-    with pytest.raises(ValueError, match=r"num_gpus=5.*only 4 GPU"):
+    with pytest.raises(ValueError, match=r"num_gpus=5, nodes=1: .* 1 node\(s\) of 4 GPU"):
         start_local_ray(num_gpus=5)
     assert ray.is_initialized()
 

@@ -1,4 +1,5 @@
-"""SharedPlacement across two Ray nodes on one machine (ray.cluster_utils.Cluster).
+"""SharedPlacement across two Ray nodes on one machine (``start_local_ray(nodes=2)``,
+which uses ray.cluster_utils.Cluster).
 
 Each node has 4 logical GPUs (ids 0..3 on both); both share the IP 127.0.0.1, so the
 bundle order falls back to the node id between nodes and to the GPU id within one.
@@ -11,30 +12,39 @@ from typing import Any
 
 import pytest
 import ray
-from ppo_placement import SharedPlacement, apply_local_ray_env, placement_layout
-from ray.cluster_utils import Cluster
+from ppo_placement import (
+    LocalRay,
+    SharedPlacement,
+    placement_layout,
+    shutdown_local_ray,
+    start_local_ray,
+)
 
 Where = Callable[..., list[dict[str, Any]]]
 
 
 @pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Cluster]:
-    if ray.is_initialized():
-        ray.shutdown()
-    apply_local_ray_env()
-    node_args = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=node_args)
+def two_nodes() -> Iterator[LocalRay]:
+    shutdown_local_ray()
+    # Two ray.cluster_utils.Cluster nodes, started (with retries) by the project's helper.
+    info = start_local_ray(nodes=2, num_cpus=4, num_gpus=4, log_to_driver=False)
     try:
-        cluster.add_node(**node_args)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster
+        yield info
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        shutdown_local_ray()
 
 
-def test_ranks_fill_a_node_before_the_next(two_nodes: Cluster, where_actors_run: Where) -> None:
+def test_two_nodes_are_up_and_reused(two_nodes: LocalRay) -> None:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    assert len(alive) == 2
+    assert {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
+    assert [n["Resources"]["GPU"] for n in alive] == [4.0, 4.0]
+    assert not start_local_ray(nodes=2, num_gpus=4).started
+    with pytest.raises(ValueError, match=r"nodes=3: .* 2 node\(s\) of 4 GPU"):
+        start_local_ray(nodes=3)
+
+
+def test_ranks_fill_a_node_before_the_next(two_nodes: LocalRay, where_actors_run: Where) -> None:
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     layout = placement_layout(actor_gpus=6, rollout_gpus=2)
     with SharedPlacement(layout, strategy="PACK") as placement:

@@ -17,6 +17,7 @@ from ppo_placement import RayStartError, shutdown_local_ray, start_local_ray
         pytest.param({"num_gpus": -1}, "num_gpus=-1", id="negative-gpus"),
         pytest.param({"num_cpus": 0}, "num_cpus=0", id="zero-cpus"),
         pytest.param({"attempts": 0}, "attempts=0", id="zero-attempts"),
+        pytest.param({"nodes": 0}, "nodes=0", id="zero-nodes"),
     ],
 )
 def test_bad_arguments_raise_before_starting_anything(kwargs: dict[str, int], match: str) -> None:
@@ -74,8 +75,9 @@ def test_retry_recovers_from_a_slow_agent(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="ppo_placement")
     try:
-        info = start_local_ray(num_gpus=1, attempts=2, log_to_driver=False, warm_imports=False)
-        assert info.started and info.attempts == 2
+        # attempt 1 is made to fail; on a loaded machine attempt 2 may fail on its own.
+        info = start_local_ray(num_gpus=1, attempts=3, log_to_driver=False, warm_imports=False)
+        assert info.started and info.attempts >= 2
         assert ray.cluster_resources()["GPU"] == 1.0
     finally:
         shutdown_local_ray()

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "LocalRay",
@@ -75,6 +76,8 @@ _RAYLET_LINE = re.compile(r"^\[[^\]]* (?P<level>[A-Z]) \d+ \d+\]")
 _REASON_HINTS = ("Timed out", "timed out", "Check failed", "Failed to", "FATAL")
 
 _warmed = False
+#: The multi-node cluster started by start_local_ray(nodes > 1), if any.
+_cluster: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ def start_local_ray(
     namespace: str | None = None,
     attempts: int = 3,
     warm_imports: bool | None = None,
+    nodes: int = 1,
 ) -> LocalRay:
     """Start a fresh local Ray cluster bound to 127.0.0.1, or reuse the one already up.
 
@@ -143,6 +147,9 @@ def start_local_ray(
         warm_imports: import the raylet agents' modules in a throw-away interpreter
             before the first attempt (byte-compiles them and fills the page cache).
             ``None``: only when their byte code is missing. Always done before a retry.
+        nodes: Ray nodes to start on this machine (``ray.cluster_utils.Cluster``), each
+            with ``num_cpus`` / ``num_gpus`` / ``resources``; all share 127.0.0.1 and
+            logical GPU ids restart at 0 on every node. For multi-node tests.
 
     Returns:
         A :class:`LocalRay` record (address, session directory, timing).
@@ -158,13 +165,15 @@ def start_local_ray(
         raise ValueError(f"num_cpus={num_cpus} must be >= 1 (or None for the core count)")
     if attempts < 1:
         raise ValueError(f"attempts={attempts} must be >= 1")
+    if nodes < 1:
+        raise ValueError(f"nodes={nodes} must be >= 1")
 
     # Before importing Ray: it reads some of these variables once, at import.
     apply_local_ray_env()
     import ray  # lazily, so that the pure layout functions never need Ray
 
     if ray.is_initialized():
-        return _reuse_running(num_gpus=num_gpus, t_start=t_start)
+        return _reuse_running(num_gpus=num_gpus, nodes=nodes, t_start=t_start)
 
     if num_cpus is None:
         num_cpus = max(os.cpu_count() or 1, num_gpus)
@@ -178,17 +187,31 @@ def start_local_ray(
         before = _session_dirs()
         t_attempt_boot = _seconds_since_boot()
         try:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                resources=dict(resources) if resources else None,
-                object_store_memory=object_store_memory,
-                include_dashboard=False,
-                log_to_driver=log_to_driver,
-                namespace=namespace,
-                _node_ip_address="127.0.0.1",
-            )
+            if nodes == 1:
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    resources=dict(resources) if resources else None,
+                    object_store_memory=object_store_memory,
+                    include_dashboard=False,
+                    log_to_driver=log_to_driver,
+                    namespace=namespace,
+                    _node_ip_address="127.0.0.1",
+                )
+            else:
+                _start_cluster(
+                    nodes=nodes,
+                    node_args={
+                        "num_cpus": num_cpus,
+                        "num_gpus": num_gpus,
+                        "resources": dict(resources) if resources else None,
+                        "object_store_memory": object_store_memory,
+                        "include_dashboard": False,
+                    },
+                    log_to_driver=log_to_driver,
+                    namespace=namespace,
+                )
         except Exception as exc:  # Ray raises a bare Exception on start-up timeouts
             reason = f"attempt {attempt}: {type(exc).__name__}: {exc}"
             raylet = _raylet_reason(sorted(_session_dirs() - before))
@@ -212,25 +235,57 @@ def start_local_ray(
 
 def shutdown_local_ray() -> None:
     """Disconnect from and stop the local Ray cluster; a no-op when Ray is not running."""
+    global _cluster
     import ray
 
+    nodes = [ray._private.worker._global_node]
+    if _cluster is not None:
+        nodes += [_cluster.head_node, *_cluster.worker_nodes]
+    processes = _processes_of(nodes)
     if ray.is_initialized():
         ray.shutdown()
+    if _cluster is not None:
+        cluster, _cluster = _cluster, None
+        cluster.shutdown()
+    _reap(processes)
 
 
 # --- helpers -----------------------------------------------------------------------
 
 
-def _reuse_running(*, num_gpus: int, t_start: float) -> LocalRay:
+def _reuse_running(*, num_gpus: int, nodes: int, t_start: float) -> LocalRay:
     import ray
 
-    have = float(ray.cluster_resources().get("GPU", 0.0))  # type: ignore[no-untyped-call]
-    if have < num_gpus:
+    alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    have = min((float(n["Resources"].get("GPU", 0.0)) for n in alive), default=0.0)
+    if have < num_gpus or len(alive) < nodes:
         raise ValueError(
-            f"num_gpus={num_gpus}: Ray is already initialised in this process with only "
-            f"{have:g} GPU(s); call shutdown_local_ray() first or ask for at most {have:g}"
+            f"num_gpus={num_gpus}, nodes={nodes}: Ray is already initialised in this "
+            f"process with {len(alive)} node(s) of {have:g} GPU(s); call "
+            "shutdown_local_ray() first or ask for no more than that"
         )
     return _describe(started=False, attempts=0, t_start=t_start)
+
+
+def _start_cluster(
+    *, nodes: int, node_args: dict[str, Any], log_to_driver: bool, namespace: str | None
+) -> None:
+    """Start ``nodes`` Ray nodes on this machine and connect this process to them."""
+    global _cluster
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+    try:
+        for _ in range(nodes):
+            cluster.add_node(**node_args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=log_to_driver, namespace=namespace)
+    except BaseException:
+        ray.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]
+        raise
+    _cluster = cluster
 
 
 def _describe(*, started: bool, attempts: int, t_start: float) -> LocalRay:
@@ -346,8 +401,10 @@ def _cleanup_failed_attempt(exc: BaseException, since_boot_s: float) -> None:
     while tb is not None:
         node = tb.tb_frame.f_locals.get("self")
         if isinstance(node, Node):
+            processes = _processes_of([node])
             with contextlib.suppress(Exception):
                 node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            _reap(processes)
             break
         tb = tb.tb_next
     # Anything else this attempt started that is still our descendant.
@@ -365,6 +422,32 @@ def _cleanup_failed_attempt(exc: BaseException, since_boot_s: float) -> None:
             except ChildProcessError:  # not our child, or already reaped
                 break
             time.sleep(0.05)
+
+
+def _processes_of(nodes: list[Any]) -> list[subprocess.Popen[bytes]]:
+    """The Popen handles of the processes Ray started for these nodes."""
+    found: list[subprocess.Popen[bytes]] = []
+    for node in nodes:
+        if node is None:
+            continue
+        for infos in list(getattr(node, "all_processes", {}).values()):
+            found += [info.process for info in infos if info.process is not None]
+    return found
+
+
+def _reap(processes: list[subprocess.Popen[bytes]], *, timeout_s: float = 30.0) -> None:
+    """Kill and wait for any of these that Ray's shutdown left running.
+
+    On a loaded machine Ray's own bounded wait can expire; the Popen would then be
+    garbage-collected while its process runs (a ResourceWarning, an error in tests).
+    """
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(OSError):
+                process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
 
 
 def _descendants_started_after(root: int, since_boot_s: float) -> list[int]:
