@@ -228,7 +228,8 @@ def test_checkpoint_with_groups_in_flight_loses_and_duplicates_nothing(
     a.save(tmp_path)
     sampler_state = sampler.state_dict()
     in_flight = set(a.in_flight_ids())
-    assert in_flight
+    buffered = set(a.buffer.ready_ids()) | set(a.buffer.claimed_ids())
+    assert in_flight and buffered
 
     sampler2 = InOrderSampler(max_lookahead_versions=1)
     sampler2.load_state_dict(sampler_state)
@@ -238,9 +239,11 @@ def test_checkpoint_with_groups_in_flight_loses_and_duplicates_nothing(
     _run_until(b, lambda: b.idle() and len(b.buffer) == 8, trainer_step=0)
     assert sorted(b.buffer.ready_ids()) == list(range(8))
     assert all(b.dispatch_counts[g] == 1 for g in in_flight)
-    assert not set(b.dispatch_counts) - in_flight  # only the lost ones were re-sent
-    for g in range(8):
-        assert b.buffer.get(g) == ref.buffer.get(g)
+    assert set(b.dispatch_counts.values()) == {1}
+    assert not set(b.dispatch_counts) & buffered  # buffered groups are not generated again
+    for g in range(8):  # which engine served a group does not matter
+        assert _strip(b.buffer.get(g).output) == _strip(ref.buffer.get(g).output)
+        assert b.buffer.get(g).rewards == ref.buffer.get(g).rewards
     assert sampler2.num_ready == 8
 
 
