@@ -130,7 +130,8 @@ def start_local_ray(
     Always starts a NEW cluster (``address="local"``), never attaches to another
     process's cluster found on the machine. If this process already initialised Ray
     (by an earlier call or otherwise), that cluster is reused and nothing is started;
-    a :class:`ValueError` is raised when it has fewer GPUs than ``num_gpus`` asks for.
+    a :class:`ValueError` is raised when it has fewer nodes than ``nodes`` or a node
+    with fewer GPUs than ``num_gpus``.
 
     Args:
         num_cpus: logical CPUs of the node. ``None``: the machine's core count, but at
@@ -155,7 +156,7 @@ def start_local_ray(
         A :class:`LocalRay` record (address, session directory, timing).
 
     Raises:
-        ValueError: a bad argument, or a running cluster too small for ``num_gpus``.
+        ValueError: a bad argument, or a running cluster too small for the request.
         RayStartError: every attempt failed; the message quotes the raylet's reason.
     """
     t_start = time.perf_counter()
@@ -236,6 +237,8 @@ def start_local_ray(
 def shutdown_local_ray() -> None:
     """Disconnect from and stop the local Ray cluster; a no-op when Ray is not running."""
     global _cluster
+    if "ray" not in sys.modules and _cluster is None:
+        return  # Ray never imported: nothing can be running
     import ray
 
     nodes = [ray._private.worker._global_node]
