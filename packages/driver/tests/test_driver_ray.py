@@ -239,3 +239,38 @@ def test_minimum_that_cannot_leave_the_tail_floor_runs_one_chunk(tmp_path: Path)
         logging.getLogger("ppo_driver").removeHandler(handler)
     assert any("train_pump: step 0 chunk 1: 16 groups, 16 samples" in x for x in handler.lines)
     assert any("train_pump: step 0 closing on 1 chunk(s)" in x for x in handler.lines)
+
+
+def test_full_batch_epochs_critic_warmup_kl_loss_and_colocated_generation(tmp_path: Path) -> None:
+    """Full-batch mode with generation on the training devices: several policy epochs
+    (one update each), a critic warm-up step (no policy update, no refit), the KL loss
+    with the reference model; generation is paused during critic training."""
+    handler = _ListHandler()
+    logging.getLogger("ppo_driver").addHandler(handler)
+    try:
+        result = train(
+            _cfg(
+                "run.num_steps=2",
+                "async_rl.min_groups_for_streaming_train=8",
+                "ppo.ppo_epochs=2",
+                "ppo.critic_warmup_steps=1",
+                "ppo.kl_loss_coef=0.05",
+                "cluster.colocate=true",
+            ),
+            run_dir=tmp_path,
+            keep_ray=True,
+        )
+    finally:
+        logging.getLogger("ppo_driver").removeHandler(handler)
+    warm, trained = result.metrics
+    assert warm["weight_version"] == 0 and "actor/step" not in warm  # warm-up: critic only
+    assert trained["weight_version"] == 1 and trained["actor/step"] == 2.0  # two epochs
+    assert "loss/kl" in trained
+    assert [r["train/chunks"] for r in result.metrics] == [1, 1]
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    refit = [e for e in trace if e.get("cat") == "refit"]
+    critic = [e for e in trace if e.get("cat") == "critic"]
+    assert len(refit) == 1 and refit[0]["args"]["step"] == 1
+    # colocated full batch: the refit follows critic training
+    step1_critic = next(e for e in critic if e["args"]["step"] == 1)
+    assert refit[0]["ts"] >= step1_critic["ts"] + step1_critic["dur"]
