@@ -20,6 +20,10 @@ from ppo_trainer import (
     backend_importable,
 )
 
+# One intra-op thread: on the small shared CI machine, OpenMP threads contending for two
+# busy cores made each tiny-model forward ~30x slower than a single thread.
+torch.set_num_threads(1)
+
 TINY = ModelSpec(
     vocab_size=64,
     hidden_size=32,
