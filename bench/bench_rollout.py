@@ -18,8 +18,6 @@ import time
 from typing import Any
 
 import torch
-from ppo_trainer import ModelSpec
-
 from ppo_driver.rollout import (
     CharTokenizer,
     EmbeddedEngine,
@@ -28,10 +26,12 @@ from ppo_driver.rollout import (
     SamplingParams,
     broadcast_state_dict,
     build_model,
+    connect_group,
+    open_store,
     receive_state_dict,
     synthetic_records,
 )
-from ppo_driver.rollout._refit import connect_group, open_store
+from ppo_trainer import ModelSpec
 
 TOK = CharTokenizer()
 GROUPS = 16
@@ -58,7 +58,10 @@ def bench_generation() -> None:
     spec = _spec(64, 2)
     data = PromptDataset(synthetic_records(num_prompts=GROUPS, seed=0, max_count=12), TOK)
     params = SamplingParams(n=N, max_new_tokens=MAX_NEW, stop_token_ids=(TOK.eos_id,))
-    reqs = [GroupRequest(prompt_index=i, prompt_ids=data.prompt_ids(i), params=params) for i in range(GROUPS)]
+    reqs = [
+        GroupRequest(prompt_index=i, prompt_ids=data.prompt_ids(i), params=params)
+        for i in range(GROUPS)
+    ]
 
     rows = []
     for batch_groups in (True, False):
@@ -75,7 +78,9 @@ def bench_generation() -> None:
     model.generation_config.pad_token_id = TOK.pad_id
     torch.manual_seed(0)
     with torch.inference_mode():
-        model.generate(input_ids=torch.tensor([data.prompt_ids(0)] * N), do_sample=True, max_new_tokens=4)
+        model.generate(
+            input_ids=torch.tensor([data.prompt_ids(0)] * N), do_sample=True, max_new_tokens=4
+        )
         start = time.perf_counter()
         tokens = 0
         for r in reqs:
@@ -148,7 +153,9 @@ def bench_refit() -> None:
             dst[k].copy_(v)
         copies.append(time.perf_counter() - start)
     refit, copy = statistics.median(times), statistics.median(copies)
-    print(f"\n== refit: {len(weights)} tensors, {nbytes / 2**20:.1f} MiB, 4 MiB buckets, median of {REFIT_REPEATS}")
+    print(
+        f"\n== refit: {len(weights)} tensors, {nbytes / 2**20:.1f} MiB, 4 MiB buckets, median of {REFIT_REPEATS}"
+    )
     print(f"{'path':36s} {'seconds':>9s} {'MiB/s':>9s}")
     print(f"{'gloo broadcast + apply (2 procs)':36s} {refit:9.4f} {nbytes / 2**20 / refit:9.0f}")
     print(f"{'plain tensor copy (same process)':36s} {copy:9.4f} {nbytes / 2**20 / copy:9.0f}")

@@ -92,7 +92,7 @@ def _check_against_trainer(actor: Any, outputs: list[GroupOutput]) -> float:
 
 
 def test_refit_makes_engines_match_the_trainer(engines: list[Any], tmp_path: Path) -> None:
-    actor = ray.remote(ActorWorker).options(num_cpus=1).remote(ActorConfig(model=SPEC))
+    actor: Any = ray.remote(ActorWorker).options(num_cpus=1).remote(ActorConfig(model=SPEC))
     reqs = _requests([20, 21, 22])
     before = ray.get(engines[0].generate.remote(reqs))
     assert _check_against_trainer(actor, before) < LOGPROB_ATOL  # same spec, same weights

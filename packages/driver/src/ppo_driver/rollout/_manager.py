@@ -266,20 +266,21 @@ class RolloutManager:
             self._alive[engine] = True
 
     # -- training side ------------------------------------------------------------------------
-    def claim(self, group_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    def claim(self, group_ids: Sequence[int | str]) -> dict[str, torch.Tensor]:
         """Claim the groups the sampler selected in the replay buffer and build their
         batch (see :func:`build_batch`)."""
-        groups = self.buffer.claim(group_ids)
+        groups = self.buffer.claim(int(g) for g in group_ids)
         return build_batch(groups, pad_id=self.dataset.tokenizer.pad_id)
 
-    def unclaim(self, group_ids: Sequence[int]) -> None:
+    def unclaim(self, group_ids: Sequence[int | str]) -> None:
         """Undo ``select`` + :meth:`claim` for a failed chunk."""
-        self.buffer.unclaim(group_ids)
-        self.sampler.release_claim(group_ids)
+        ids = [int(g) for g in group_ids]
+        self.buffer.unclaim(ids)
+        self.sampler.release_claim(ids)
 
-    def release(self, group_ids: Iterable[int]) -> None:
+    def release(self, group_ids: Iterable[int | str]) -> None:
         """After BOTH updates of the step: drop the rows and tell the sampler."""
-        ids = list(group_ids)
+        ids = [int(g) for g in group_ids]
         self.buffer.release(ids)
         self.sampler.mark_consumed(ids)
 
