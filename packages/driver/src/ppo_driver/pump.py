@@ -138,6 +138,10 @@ class RolloutLink(Protocol):
         """After both updates: drop the rows and ``sampler.mark_consumed``."""
         ...
 
+    def redispatch_evicted(self) -> list[int]:
+        """Queue again the prompts of groups a ``ready_first`` sampler evicted as stale."""
+        ...
+
 
 class GenerationControl(Protocol):
     """The engines as the plan sees them: weights and device sharing."""
@@ -305,6 +309,12 @@ class TrainPump:
                 if end - start > 1e-3:
                     self.trace.add("wait", start_s=start, end_s=end, step=step, phase="wait")
                 return ids, end - start
+            if self.cfg.async_rl.sampler.evict_stale:
+                evicted = self.rollout.redispatch_evicted()
+                if evicted:
+                    log.info(
+                        "step %d: %d stale group(s) evicted and re-dispatched", step, len(evicted)
+                    )
             self.feed_generation(timeout_s=max(self.cfg.async_rl.poll_interval_s, 0.001) * 25)
 
     def _maybe_fail(self, point: str, step: int) -> None:
