@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -456,15 +457,15 @@ def _summary(result: RunResult, cfg: DriverConfig) -> None:
         return
     chunks = [int(r["train/chunks"]) for r in rows]
     first, last = rows[0]["rollout/reward_mean"], rows[-1]["rollout/reward_mean"]
-    k = max(1, min(3, len(rows) // 3))
+    k = max(1, min(10, len(rows) // 4))
     head = sum(r["rollout/reward_mean"] for r in rows[:k]) / k
     tail = sum(r["rollout/reward_mean"] for r in rows[-k:]) / k
     log.info(
-        "done: %d step(s) in %.1f s | chunks per step %s (mean %.2f) | mean reward %.3f -> %.3f "
+        "done: %d step(s) in %.1f s | chunks per step: %s (mean %.2f) | mean reward %.3f -> %.3f "
         "(first %d vs last %d steps: %.3f -> %.3f) | %s",
         len(rows),
         result.wall_s,
-        chunks,
+        ", ".join(f"{c} chunk(s) x {n} step(s)" for c, n in sorted(Counter(chunks).items())),
         sum(chunks) / len(chunks),
         first,
         last,
