@@ -289,9 +289,11 @@ class TrainPump:
     # ---------------------------------------------------------------- generation feed
     def feed_generation(self, timeout_s: float = 0.0) -> int:
         """Let the rollout manager dispatch (lookahead-bounded) and file finished groups."""
-        now = time.perf_counter()
-        self._gen_window.setdefault(self.completed_steps, [now, now])
+        before = time.perf_counter()
         ready = self.rollout.pump(trainer_step=self.completed_steps, timeout_s=timeout_s)
+        top = int(getattr(self.rollout, "max_step_dispatched", self.completed_steps))
+        for s in range(self.completed_steps, top + 1):  # generation windows open at dispatch
+            self._gen_window.setdefault(s, [before, before])
         now = time.perf_counter()
         for gid in ready:
             window = self._gen_window.setdefault(self._step_of(int(gid)), [now, now])
@@ -522,7 +524,7 @@ class TrainPump:
                 f"generation step {step}",
                 start_s=window[0],
                 end_s=window[1],
-                track="generation",
+                track="generation (odd steps)" if step % 2 else "generation",
                 step=step,
                 phase="generation",
             )

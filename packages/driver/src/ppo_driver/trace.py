@@ -1,8 +1,9 @@
 """Step timeline: phases recorded as Chrome-trace events (Perfetto opens the JSON).
 
 Each phase is a complete event (``"ph": "X"``) on a named track: generation on the
-rollout track, chunks / switches / update / refit / critic on the training track. Times
-are microseconds from the start of the run.
+generation tracks (odd steps on their own track, since with lookahead a step's
+generation overlaps the previous one), chunks / switches / update / refit / critic on
+the training track. Times are microseconds from the start of the run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 __all__ = ["PhaseTimer", "TraceRecorder"]
 
-_TRACKS = {"training": 1, "generation": 2, "driver": 3}
+_TRACKS = {"training": 1, "generation": 2, "generation (odd steps)": 3, "driver": 4}
 
 
 @dataclass
