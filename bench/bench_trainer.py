@@ -166,7 +166,7 @@ class Baseline:
                     eps_clip=0.2,
                     denominator=den,
                 ).pg_loss
-                loss.backward()
+                torch.autograd.backward(loss)
             returns.append(ret)
             old_values.append(values)
         torch.nn.utils.clip_grad_norm_(self.actor.parameters(), 1.0)
@@ -189,7 +189,7 @@ class Baseline:
                         value_clip=0.2,
                         denominator=mden,
                     ).v_loss
-                    loss.backward()
+                    torch.autograd.backward(loss)
                 torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
                 self.c_opt.step()
                 self.c_opt.zero_grad(set_to_none=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from functools import partial
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 

@@ -7,13 +7,13 @@ masked chunks and steps, lifecycle idempotence.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import PPOData, actor_config, critic_config, make_data, with_model_inputs
 from ppo_trainer import (
     KEEP_GRADIENTS,
     ActorWorker,
@@ -26,16 +26,21 @@ from ppo_trainer import (
     save_hf_checkpoint,
 )
 from safetensors.torch import load_file, save_file
+from trainer_testlib import PPOData, actor_config, critic_config, make_data, with_model_inputs
 
 # float32 tiny models: a chunked and a full-batch forward differ by rounding only.
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _with_key(key: str, message: str) -> str:
+    return f"{key}: {message}"
+
+
 def assert_states_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: Any) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
+        torch.testing.assert_close(a[k], b[k], msg=partial(_with_key, k), **tol)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -93,7 +98,7 @@ def split(sizes: list[int]) -> list[list[int]]:
 )
 @pytest.mark.parametrize("loss_agg", ["token", "sample"])
 def test_streaming_equivalence(backend: str, sizes: list[int], loss_agg: str) -> None:
-    kw = {"loss_agg": loss_agg, "kl_loss_coef": 0.05, "entropy_coef": 0.01}
+    kw: dict[str, Any] = {"loss_agg": loss_agg, "kl_loss_coef": 0.05, "entropy_coef": 0.01}
     data = prepared(backend, **kw)
     full, chunked = (
         ActorWorker(actor_config(backend, **kw)),
@@ -345,7 +350,8 @@ def test_hf_round_trip(backend: str, tmp_path: Path) -> None:
     lp = actor.compute_logprobs(data.batch)
     hf_dir = save_hf_checkpoint(weights=weights, spec=actor.config.model, path=tmp_path / "hf")
     # transformers itself, on the exported weights, gives the same log-probs
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, use_safetensors=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, use_safetensors=True)
+    model.eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         logits = model(
             input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"]
@@ -374,7 +380,7 @@ def test_hf_round_trip(backend: str, tmp_path: Path) -> None:
 
 
 def test_checkpoint_round_trip(backend: str, tmp_path: Path) -> None:
-    kw = {"warmup_steps": 2, "kl_loss_coef": 0.05}
+    kw: dict[str, Any] = {"warmup_steps": 2, "kl_loss_coef": 0.05}
     d1, d2 = prepared(backend, seed=1, **kw), prepared(backend, seed=2, **kw)
     actor = ActorWorker(actor_config(backend, **kw))
     critic = CriticWorker(critic_config(backend, warmup_steps=2))
@@ -439,7 +445,7 @@ def test_two_data_parallel_ranks_match_single_process(backend: str, tmp_path: Pa
     data = prepared(backend, b=8)
     data_file = str(tmp_path / "data.safetensors")
     save_file({k: v.contiguous() for k, v in data.tensors().items()}, data_file)
-    mp.start_processes(
+    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _dp_rank_main,
         args=(backend, f"file://{tmp_path / 'pg'}", data_file, str(tmp_path)),
         nprocs=2,

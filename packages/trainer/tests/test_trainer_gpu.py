@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import actor_config, critic_config, make_data, with_model_inputs
 from ppo_trainer import KEEP_GRADIENTS, ActorWorker, CriticWorker, loss_denominator
+from trainer_testlib import actor_config, critic_config, make_data, with_model_inputs
 
 pytestmark = [
     pytest.mark.gpu,

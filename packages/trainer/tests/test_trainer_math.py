@@ -140,7 +140,7 @@ def test_gae_rejects_bad_input(kwargs: dict[str, object], match: str) -> None:
 
 def test_gae_requires_keywords() -> None:
     with pytest.raises(TypeError):
-        gae(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 1.0, 1.0)  # type: ignore[misc]
+        gae(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), 1.0, 1.0)  # type: ignore[call-arg]
 
 
 # --------------------------------------------------------------------------- losses
