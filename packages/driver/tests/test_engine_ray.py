@@ -247,30 +247,39 @@ def test_checkpoint_with_groups_in_flight_loses_and_duplicates_nothing(
     assert sampler2.num_ready == 8
 
 
-def test_engine_death_mid_step_loses_nothing() -> None:
+def test_engine_death_mid_step_loses_nothing(tmp_path: Path) -> None:
     (engine,) = launch_embedded_engines(
         1, model=SPEC, run_seed=11, num_cpus=1, name_prefix="victim"
     )
+    holder: Any = ray.remote(ActorWorker).options(num_cpus=0).remote(ActorConfig(model=SPEC))
+    weights = ray.get(holder.export_weights.remote())
+    ray.get(holder.load_weights.remote({k: v * 1.1 for k, v in weights.items()}))
+    refitter = WeightRefitter(actor=holder, engines=[engine], snapshot_dir=tmp_path / "snap")
+    refitter.refit(version=4)
     first = ray.get(engine.health.remote(), timeout=300)
     ray.get(engine.set_step_delay.remote(0.03))
     sampler = InOrderSampler(max_lookahead_versions=0)
     restarted: list[int] = []
-    m = _manager(
-        [engine],
-        sampler,
-        max_in_flight=4,
-        groups_per_call=2,
-        on_engine_restart=lambda i, h: restarted.append(i),
-    )
+
+    def restore(index: int, handle: Any) -> None:
+        restarted.append(index)
+        refitter.restore_engine(index, handle)
+
+    m = _manager([engine], sampler, max_in_flight=4, groups_per_call=2, on_engine_restart=restore)
     _run_until(m, lambda: m.groups_in_flight > 0, trainer_step=0)
     engine.crash.remote()
     _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0, limit_s=400)
     assert restarted == [0] and m.redispatched
-    assert ray.get(engine.health.remote()).incarnation != first.incarnation
+    health = ray.get(engine.health.remote())
+    assert health.incarnation != first.incarnation and health.weight_version == 4
     assert sorted(m.buffer.ready_ids()) == [0, 1, 2, 3] and sampler.num_ready == 4
     assert all(m.dispatch_counts[g] == 2 for g in m.redispatched)
     assert all(m.dispatch_counts[g] == 1 for g in range(4) if g not in m.redispatched)
+    assert {m.buffer.get(g).weight_version for g in range(4)} == {4}
     # the re-dispatched groups are exactly what an undisturbed engine produces
     fresh = ray.get(engine.generate.remote(_requests([0, 1, 2, 3])))
     assert [_strip(o) for o in fresh] == [_strip(m.buffer.get(g).output) for g in range(4)]
+    # the refit group is rebuilt around the restarted engine
+    assert refitter.refit(version=5).version == 5
     ray.kill(engine)
+    ray.kill(holder)

@@ -302,6 +302,9 @@ class WeightRefitter:
 
     ``refit(version=...)`` re-creates the group first when an engine was restarted
     since ``setup()`` (its incarnation changed), so a dead engine never wedges a refit.
+    With ``snapshot_dir`` every refit also leaves a safetensors snapshot there, from
+    which :meth:`restore_engine` (usable as the rollout manager's ``on_engine_restart``)
+    brings a restarted engine back to the current version.
     """
 
     def __init__(
@@ -314,6 +317,7 @@ class WeightRefitter:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         group_name: str = "ppo_refit",
         timeout_s: float = 120.0,
+        snapshot_dir: str | Path | None = None,
     ) -> None:
         if not engines:
             raise ValueError("WeightRefitter needs at least one engine")
@@ -328,6 +332,8 @@ class WeightRefitter:
         self.bucket_bytes = bucket_bytes
         self.group_name = group_name
         self.timeout_s = timeout_s
+        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self.last_version: int | None = None
         self._incarnations: list[str] | None = None
         self._generation = 0
 
@@ -385,6 +391,13 @@ class WeightRefitter:
         stats, *versions = ray.get([send, *receives])
         if any(v != version for v in versions):
             raise RuntimeError(f"refit to version {version}: engines report {versions}")
+        self.last_version = version
+        if self.snapshot_dir is not None:
+            ray.get(
+                self.actor.__ray_call__.remote(
+                    sender_save, path=str(self.snapshot_dir), version=version
+                )
+            )
         return RefitStats(
             version=version,
             bytes=int(stats["bytes"]),
@@ -404,6 +417,13 @@ class WeightRefitter:
         )
         if any(v != version for v in versions):
             raise RuntimeError(f"disk refit to version {version}: engines report {versions}")
+        self.last_version = version
+        if self.snapshot_dir is not None and Path(path) != self.snapshot_dir:
+            ray.get(
+                self.actor.__ray_call__.remote(
+                    sender_save, path=str(self.snapshot_dir), version=version
+                )
+            )
         size = (Path(path) / "model.safetensors").stat().st_size
         return RefitStats(
             version=version,
@@ -411,4 +431,25 @@ class WeightRefitter:
             buckets=1,
             seconds=time.perf_counter() - start,
             transport="disk",
+        )
+
+    def restore_engine(self, index: int, engine: Any) -> None:
+        """Bring a restarted engine to the last refit version from the snapshot (the
+        refit group itself is re-created at the next :meth:`refit`)."""
+        import ray
+
+        if self.last_version is None:
+            return  # no refit yet: the engine's initial weights are current
+        if self.snapshot_dir is None:
+            _log.warning(
+                "engine %d restarted with its initial weights; it serves them until the "
+                "next refit (pass snapshot_dir= to restore version %d at once)",
+                index,
+                self.last_version,
+            )
+            return
+        ray.get(
+            engine.update_weights_from_disk.remote(
+                str(self.snapshot_dir), version=self.last_version
+            )
         )
