@@ -123,11 +123,11 @@ def test_streaming_chunks_counters_and_outputs(
         if m := CLOSE_RE.search(line):
             closing[int(m.group(1))] = int(m.group(2))
     assert sorted(chunks) == [0, 1, 2] and sorted(closing) == [0, 1, 2]
-    for s, rows in chunks.items():
-        assert [k for k, _, _ in rows] == list(range(1, len(rows) + 1))
-        assert closing[s] == len(rows)
-        assert sum(g for _, g, _ in rows) == 8
-        assert all(n == 2 * g for _, g, n in rows)
+    for s, logged in chunks.items():
+        assert [k for k, _, _ in logged] == list(range(1, len(logged) + 1))
+        assert closing[s] == len(logged)
+        assert sum(g for _, g, _ in logged) == 8
+        assert all(n == 2 * g for _, g, n in logged)
     # more than one chunk per step when streaming
     assert all(closing[s] > 1 for s in closing), closing
 
