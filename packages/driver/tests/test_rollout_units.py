@@ -361,3 +361,28 @@ def test_replay_buffer_lifecycle_and_round_trip(tmp_path: Path) -> None:
         assert restored.get(gid) == buf.get(gid)  # bit-exact, floats included
         assert restored.step_of(gid) == buf.step_of(gid)
     assert not any(p.suffix == ".pkl" for p in tmp_path.iterdir())
+
+
+def test_local_hf_tokenizer_directory(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "<unk>": 5}
+    raw = RawTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()  # type: ignore[assignment]
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("hello world") == [3, 4]
+    assert tok.decode([3, 4, 2]) == "hello world"
+    assert (tok.pad_id, tok.eos_id, tok.vocab_size) == (0, 2, 6)
+    with pytest.raises(ValueError, match="not a directory"):
+        load_tokenizer(tmp_path / "missing")
