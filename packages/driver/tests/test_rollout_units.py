@@ -371,8 +371,9 @@ def test_local_hf_tokenizer_directory(tmp_path: Path) -> None:
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "<unk>": 5}
     raw = RawTokenizer(WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = Whitespace()  # type: ignore[assignment]
-    fast = PreTrainedTokenizerFast(
+    raw.pre_tokenizer = Whitespace()
+    fast_cls: Any = PreTrainedTokenizerFast
+    fast = fast_cls(
         tokenizer_object=raw,
         pad_token="<pad>",
         bos_token="<s>",
