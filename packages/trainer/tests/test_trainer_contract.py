@@ -115,6 +115,57 @@ def test_streaming_equivalence(backend: str, sizes: list[int], loss_agg: str) ->
     assert m_full["actor/valid_tokens"] == data.batch["loss_mask"].sum().item()
 
 
+def test_token_denominator_known_only_at_finish(backend: str) -> None:
+    """Streaming with loss_agg=token: chunks use a provisional denominator, finish_step
+    gets the true one and rescales; same gradients and parameters as the full batch."""
+    data = prepared(backend)
+    full = ActorWorker(actor_config(backend))
+    g_full, m_full = run_actor(full, data, [list(range(6))], loss_agg="token")
+    late = ActorWorker(actor_config(backend))
+    for rows in split([4, 2]):
+        part = data.rows(rows)
+        late.backward(
+            part.batch,
+            old_logprobs=part.old_logprobs,
+            advantages=part.advantages,
+            loss_denominator=1.0,  # provisional
+        )
+    true_den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
+    m_late = late.finish_step(loss_denominator=true_den)
+    assert m_late["loss/pg"] == pytest.approx(m_full["loss/pg"], rel=1e-4)
+    assert m_late["actor/grad_norm"] == pytest.approx(m_full["actor/grad_norm"], rel=1e-4)
+    assert_states_close(late.export_weights(), full.export_weights(), **PARAM_TOL)
+    assert max(float(g.abs().max()) for g in g_full.values()) > 1e-3
+
+
+def test_sample_denominator_counts_all_or_valid_samples(backend: str) -> None:
+    data = prepared(backend)
+    data.batch["loss_mask"][1] = 0.0  # one sample without a valid token
+    rows = float(data.batch["loss_mask"].shape[0])
+    valid = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="sample")
+    assert valid == rows - 1
+    for den in (rows, valid):
+        worker = ActorWorker(actor_config(backend, loss_agg="sample"))
+        for chunk in split([3, 3]):
+            part = data.rows(chunk)
+            worker.backward(
+                part.batch,
+                old_logprobs=part.old_logprobs,
+                advantages=part.advantages,
+                loss_denominator=den,
+            )
+        worker.finish_step()
+    bad = ActorWorker(actor_config(backend, loss_agg="sample"))
+    bad.backward(
+        data.batch,
+        old_logprobs=data.old_logprobs,
+        advantages=data.advantages,
+        loss_denominator=rows + 1,
+    )
+    with pytest.raises(ValueError, match="sample count"):
+        bad.finish_step()
+
+
 def test_per_chunk_normalisation_is_the_only_difference(backend: str) -> None:
     data = prepared(backend)
     chunks = split([2, 4])

@@ -70,6 +70,8 @@ A ``TrainModel`` is a ``FrozenModel`` plus:
   ``all_reduce_grads``, reduced) gradients by parameter name (backend-native names are
   fine), zeros for parameters without a gradient yet. Used by tests and diagnostics.
 * ``all_reduce_grads()``: SUM the gradients over the data-parallel group (no averaging).
+* ``scale_grads(factor)``: multiply the accumulated local gradients by ``factor``
+  (streaming with a token denominator known only after the last chunk).
 * ``step() -> dict[str, float]``: clip the global gradient norm to ``max_grad_norm``
   (when set), one optimizer step, one scheduler step; returns at least ``grad_norm``
   (before clipping) and ``lr`` (the rate used). Does not zero the gradients.
@@ -140,6 +142,8 @@ class TrainModel(FrozenModel, Protocol):
     def grads(self) -> dict[str, torch.Tensor]: ...
 
     def all_reduce_grads(self) -> None: ...
+
+    def scale_grads(self, factor: float) -> None: ...
 
     def step(self) -> dict[str, float]: ...
 

@@ -260,6 +260,12 @@ class TorchTrainModel(TorchFrozenModel):
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
 
+    def scale_grads(self, factor: float) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
     def step(self) -> dict[str, float]:
         max_norm = self.config.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(

@@ -237,6 +237,7 @@ class ActorWorker(_Lifecycle):
         self._sums: dict[str, float] = {
             "tokens": 0.0,
             "samples": 0.0,
+            "rows": 0.0,
             "pg": 0.0,
             "kl": 0.0,
             "entropy": 0.0,
@@ -324,6 +325,7 @@ class ActorWorker(_Lifecycle):
         samples = float((mask.sum(dim=1) > 0).sum().item())
         metrics = {"actor/valid_tokens": tokens, "loss/pg": 0.0}
         self._chunks += 1
+        self._sums["rows"] += float(mask.shape[0])
         if tokens == 0:
             return metrics
         tensors = {
@@ -399,19 +401,34 @@ class ActorWorker(_Lifecycle):
             out["entropy"] = float(ent_loss.item())
         return loss, out
 
-    def finish_step(self) -> dict[str, float]:
+    def finish_step(self, *, loss_denominator: float | None = None) -> dict[str, float]:
         """All-reduce (SUM) the accumulated gradients over the data-parallel ranks, clip
         the norm, one optimizer + scheduler step, zero the gradients.
 
-        Raises ``EmptyStepError`` (before any update, gradients zeroed) when the step had
-        no valid token on any rank, and ``ValueError`` when the valid-token count differs
-        from the ``loss_denominator`` that ``backward`` was given.
+        ``loss_denominator``: the true whole-step count when it was not known at the
+        first ``backward`` (streaming with ``loss_agg="token"``: the count is known only
+        after the last chunk). The chunks then passed any provisional positive value and
+        the gradients (and loss metrics) are rescaled by ``provisional / true`` before
+        the all-reduce, which is exact because the gradient is linear in the loss scale.
+        ``None``: the denominator given to ``backward`` is final.
+
+        The final denominator must equal the step's count over all chunks and ranks:
+        ``token``: valid tokens; ``sample``: samples (all of them, or only those with a
+        valid token). Raises ``ValueError`` otherwise and ``EmptyStepError`` when the
+        step had no valid token on any rank, both before any update (gradients zeroed).
         """
         self._require_awake("finish_step")
+        if loss_denominator is not None and not (
+            isinstance(loss_denominator, int | float) and loss_denominator > 0
+        ):
+            raise ValueError(
+                f"loss_denominator={loss_denominator!r} is invalid: pass the whole step's "
+                "positive count, or None to keep the one given to backward()"
+            )
         s = self._sums
-        keys = ("tokens", "samples", "pg", "kl", "entropy", "clipfrac", "approx_kl")
+        keys = ("tokens", "samples", "rows", "pg", "kl", "entropy", "clipfrac", "approx_kl")
         totals = dict(zip(keys, self._backend.all_reduce_sum([s[k] for k in keys]), strict=True))
-        denominator = self._denominator
+        provisional = self._denominator
         self._reset_step()
         if totals["tokens"] == 0:
             self._policy.zero_grad()
@@ -419,23 +436,36 @@ class ActorWorker(_Lifecycle):
                 "finish_step(): every sample of this step is masked (0 valid tokens over all "
                 "ranks); no update was made. The driver must not train on an all-masked step."
             )
-        expected = totals["tokens"] if self.config.loss_agg == "token" else totals["samples"]
-        assert denominator is not None
-        if not math.isclose(expected, denominator, rel_tol=1e-9):
+        assert provisional is not None  # tokens > 0 implies a backward call
+        final = provisional if loss_denominator is None else float(loss_denominator)
+        if self.config.loss_agg == "token":
+            allowed, what = [totals["tokens"]], "valid-token count"
+        else:
+            allowed, what = [totals["samples"], totals["rows"]], "sample count"
+        if not any(math.isclose(final, a, rel_tol=1e-9) for a in allowed):
             self._policy.zero_grad()
             raise ValueError(
-                f"loss_denominator={denominator!r} does not match the step's "
-                f"{'valid-token' if self.config.loss_agg == 'token' else 'valid-sample'} count "
-                f"{expected!r} over all chunks and ranks; no update was made. Pass "
-                "loss_denominator(loss_mask=<whole step>, loss_agg=...)"
+                f"loss_denominator={final!r} does not match the step's {what} "
+                f"{' or '.join(repr(a) for a in allowed)} over all chunks and ranks; no update "
+                "was made. Pass loss_denominator(loss_mask=<whole step>, loss_agg=...)"
             )
+        scale = provisional / final
+        if scale != 1.0:
+            scaler = getattr(self._policy, "scale_grads", None)
+            if scaler is None:
+                self._policy.zero_grad()
+                raise NotImplementedError(
+                    f"backend={self.config.backend!r} cannot rescale gradients; pass the final "
+                    "loss_denominator to every backward() instead of finish_step()"
+                )
+            scaler(scale)
         self._policy.all_reduce_grads()
         stats = self._policy.step()
         self._policy.zero_grad()
         self.global_step += 1
         tokens = totals["tokens"]
         out = {
-            "loss/pg": totals["pg"],
+            "loss/pg": totals["pg"] * scale,
             "actor/grad_norm": stats["grad_norm"],
             "actor/lr": stats["lr"],
             "actor/clipfrac": totals["clipfrac"] / tokens,
@@ -444,9 +474,9 @@ class ActorWorker(_Lifecycle):
             "actor/step": float(self.global_step),
         }
         if self.config.use_reference:
-            out["loss/kl"] = totals["kl"]
+            out["loss/kl"] = totals["kl"] * scale
         if self.config.entropy_coef > 0:
-            out["loss/entropy"] = totals["entropy"]
+            out["loss/entropy"] = totals["entropy"] * scale
         return out
 
     def grads(self) -> dict[str, Tensor]:
