@@ -1,0 +1,96 @@
+"""Config validation (ValueError naming key, value and fix), lr schedule, no-pickle state files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ppo_trainer import ActorConfig, CriticConfig, ModelSpec, get_backend, lr_multiplier
+from ppo_trainer._serialize import flatten_state, load_state, save_state, unflatten_state
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        pytest.param(ActorConfig, {"eps_clip": 1.5}, r"actor\.eps_clip=1\.5", id="eps_clip"),
+        pytest.param(ActorConfig, {"dual_clip": 0.5}, r"actor\.dual_clip=0\.5.*> 1", id="dual"),
+        pytest.param(ActorConfig, {"kl_estimator": "k4"}, r"actor\.kl_estimator='k4'", id="kl"),
+        pytest.param(ActorConfig, {"loss_agg": "mean"}, r"actor\.loss_agg='mean'", id="agg"),
+        pytest.param(ActorConfig, {"lr": 0.0}, r"actor\.lr=0\.0", id="lr"),
+        pytest.param(
+            ActorConfig, {"lr_scheduler": "cosine"}, r"actor\.decay_steps=None", id="decay"
+        ),
+        pytest.param(CriticConfig, {"value_clip": -1.0}, r"critic\.value_clip=-1\.0", id="vclip"),
+        pytest.param(
+            CriticConfig, {"micro_batch_size": 0}, r"critic\.micro_batch_size=0", id="mbs"
+        ),
+        pytest.param(
+            CriticConfig, {"offload_backend": "disk"}, r"critic\.offload_backend='disk'", id="off"
+        ),
+    ],
+)
+def test_config_errors_name_key_and_value(cls: Any, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_model_spec_validation() -> None:
+    with pytest.raises(ValueError, match=r"model\.hidden_size=65"):
+        ModelSpec(hidden_size=65)
+    with pytest.raises(ValueError, match=r"model\.num_key_value_heads=3"):
+        ModelSpec(num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"model\.dtype='int8'"):
+        ModelSpec(dtype="int8")
+
+
+def test_unknown_backend_and_options() -> None:
+    with pytest.raises(ValueError, match="backend='jax' is unknown"):
+        get_backend("jax")
+    from ppo_trainer import ActorWorker
+
+    with pytest.raises(ValueError, match="backend_options"):
+        ActorWorker(ActorConfig(backend_options={"tensor_model_parallel_size": 2}, device="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "steps", "expected"),
+    [
+        pytest.param("constant", [0, 1, 2, 10], [1 / 3, 2 / 3, 1.0, 1.0], id="constant"),
+        pytest.param("linear", [2, 3, 4, 6, 9], [1.0, 0.775, 0.55, 0.1, 0.1], id="linear"),
+        pytest.param("cosine", [2, 4, 6], [1.0, 0.55, 0.1], id="cosine"),
+    ],
+)
+def test_lr_multiplier(scheduler: str, steps: list[int], expected: list[float]) -> None:
+    got = [
+        lr_multiplier(step=s, scheduler=scheduler, warmup_steps=2, decay_steps=4, min_lr_ratio=0.1)
+        for s in steps
+    ]
+    assert got == pytest.approx(expected)
+
+
+def test_state_round_trip_without_pickle(tmp_path: Path) -> None:
+    state = {
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
+        },
+        "dtype": torch.bfloat16,
+        "__tensor__": "a key that looks like a tag",
+        "none": None,
+    }
+    skeleton, tensors = flatten_state(state)
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+    back = unflatten_state(skeleton, tensors)
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert back["dtype"] is torch.bfloat16 and back["__tensor__"] == state["__tensor__"]
+    torch.testing.assert_close(
+        back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"]
+    )
+    save_state(tmp_path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.safetensors"]
+    loaded = load_state(tmp_path)
+    assert 0 in loaded["optimizer"]["state"]
+    with pytest.raises(TypeError, match="cannot be saved without pickle"):
+        flatten_state({"bad": object()})
