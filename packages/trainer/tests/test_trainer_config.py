@@ -71,9 +71,10 @@ def test_lr_multiplier(scheduler: str, steps: list[int], expected: list[float]) 
 
 
 def test_state_round_trip_without_pickle(tmp_path: Path) -> None:
-    state = {
+    exp_avg = torch.randn(2, 3)
+    state: dict[str, Any] = {
         "optimizer": {
-            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg}},
             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
         },
         "dtype": torch.bfloat16,
@@ -85,9 +86,7 @@ def test_state_round_trip_without_pickle(tmp_path: Path) -> None:
     back = unflatten_state(skeleton, tensors)
     assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert back["dtype"] is torch.bfloat16 and back["__tensor__"] == state["__tensor__"]
-    torch.testing.assert_close(
-        back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"]
-    )
+    torch.testing.assert_close(back["optimizer"]["state"][0]["exp_avg"], exp_avg)
     save_state(tmp_path, state)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.safetensors"]
     loaded = load_state(tmp_path)
