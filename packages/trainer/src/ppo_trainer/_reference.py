@@ -52,7 +52,9 @@ def masked_mean_loop(*, values: Grid, mask: Grid) -> float:
 
 
 def masked_whiten_loop(*, values: Grid, mask: Grid, eps: float = 1e-8) -> Grid:
-    picked = [v for vr, mr in zip(values, mask, strict=True) for v, m in zip(vr, mr, strict=True) if m]
+    picked = [
+        v for vr, mr in zip(values, mask, strict=True) for v, m in zip(vr, mr, strict=True) if m
+    ]
     n = len(picked)
     mean = sum(picked) / max(n, 1)
     var = sum((v - mean) ** 2 for v in picked) / max(n - 1, 1)
