@@ -580,6 +580,12 @@ class MegatronTrainModel(MegatronFrozenModel):
         with _megatron_call():
             finalize_model_grads([self.ddp])
 
+    def scale_grads(self, factor: float) -> None:
+        # Rescales the local, not yet reduced main_grad buffers in place (megatron DDP's own
+        # grad-buffer scaling), so a denominator known only at finish_step stays exact.
+        with _megatron_call():
+            self.ddp.scale_gradients(factor)
+
     def step(self) -> dict[str, float]:
         lr = self.config.lr * lr_multiplier(
             step=self._steps,
