@@ -274,3 +274,27 @@ def test_full_batch_epochs_critic_warmup_kl_loss_and_colocated_generation(tmp_pa
     # colocated full batch: the refit follows critic training
     step1_critic = next(e for e in critic if e["args"]["step"] == 1)
     assert refit[0]["ts"] >= step1_critic["ts"] + step1_critic["dur"]
+
+
+def test_token_aggregation_streaming_matches_full_batch(tmp_path: Path) -> None:
+    """loss_agg=token: the step's valid-token count is unknown until the last chunk, so
+    streaming chunks pass a provisional count and the update the true one; the result
+    equals full-batch (which knows the count from its single chunk)."""
+    runs = {}
+    for name, minimum in (("streaming", 2), ("full", 8)):
+        result = train(
+            _cfg(
+                "run.num_steps=1",
+                "ppo.loss_agg=token",
+                f"async_rl.min_groups_for_streaming_train={minimum}",
+            ),
+            run_dir=tmp_path / name,
+            keep_ray=True,
+        )
+        runs[name] = result.metrics[0]
+    assert runs["streaming"]["train/chunks"] > 1 and runs["full"]["train/chunks"] == 1
+    assert runs["streaming"]["actor/valid_tokens"] == runs["full"]["actor/valid_tokens"]
+    streamed = _tensors(tmp_path / "streaming" / "checkpoints" / "step_000001")
+    full = _tensors(tmp_path / "full" / "checkpoints" / "step_000001")
+    assert _max_diff(streamed, full, "actor/") < ATOL
+    assert _max_diff(streamed, full, "critic/") < ATOL

@@ -617,17 +617,6 @@ def validate(cfg: DriverConfig) -> ValidationReport:
                     "set async_rl.sampler.name=in_order (or ready_first)",
                 )
             )
-        if ppo.loss_agg == "token":
-            r.errors.append(
-                ConfigProblem(
-                    "ppo.loss_agg",
-                    ppo.loss_agg,
-                    f"{why}; token aggregation divides every chunk's loss by the WHOLE step's "
-                    "valid-token count, which is unknown until the last group finishes generating",
-                    "set ppo.loss_agg=sample (the step's sample count is known up front), "
-                    f"or async_rl.min_groups_for_streaming_train={batch} for full-batch mode",
-                )
-            )
         streaming_layout_problem = _streaming_layout_problem(cfg)
         if streaming_layout_problem is not None:
             r.errors.append(

@@ -342,7 +342,7 @@ class TrainPump:
         actor_metrics: list[dict[str, float]] = []
         waited = 0.0
         kl_sum = 0.0  # engine vs trainer log-probs of the sampled tokens (policy lag)
-        denominator = 0.0
+        denominator, final = 0.0, True
         # The value model is prepared before waiting for the first chunk.
         self.residency.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=step)
         while self.gate.remaining > 0:
@@ -351,7 +351,9 @@ class TrainPump:
             self.in_update = True  # checkpoint exclusion covers the whole update
             batch = self.rollout.claim(ids)
             if not chunks:
-                denominator = self._loss_denominator(batch, whole_step=len(ids) == cfg.batch_groups)
+                denominator, final = self._loss_denominator(
+                    batch, whole_step=len(ids) == cfg.batch_groups
+                )
             k = len(chunks) + 1
             log.info(
                 "train_pump: step %d chunk %d: %d groups, %d samples",
@@ -422,11 +424,11 @@ class TrainPump:
                         actor_metrics.append(self._backward(full, denominator))
                     self.residency.prepare(Phase.POLICY_UPDATE, step=step)
                     with self.trace.span("policy update", step=step, phase="update"):
-                        update_metrics = self.actor.call("finish_step")[0]
+                        update_metrics = self._finish_step(full, final=final)
             else:
                 self.residency.prepare(Phase.POLICY_UPDATE, step=step)
                 with self.trace.span("policy update", step=step, phase="update"):
-                    update_metrics = self.actor.call("finish_step")[0]
+                    update_metrics = self._finish_step(full, final=final)
             self._maybe_fail("after_policy_update", step)
             if not colocated_full_batch:
                 self.residency.prepare(Phase.REFIT, step=step)
@@ -472,21 +474,30 @@ class TrainPump:
         )
 
     # ---------------------------------------------------------------- pieces
-    def _loss_denominator(self, first_chunk: dict[str, torch.Tensor], *, whole_step: bool) -> float:
-        """The WHOLE step's count, needed by the first chunk's backward.
+    def _loss_denominator(
+        self, first_chunk: dict[str, torch.Tensor], *, whole_step: bool
+    ) -> tuple[float, bool]:
+        """The denominator every ``backward`` of the step gets, and whether it is final.
 
-        ``sample``: the step's sample count, known before generation ends. ``token``: the
-        valid-token count, known only when the first chunk is the whole step (full-batch
-        mode; config validation rejects token aggregation with streaming).
+        ``sample``: the step's sample count, known before generation ends (final).
+        ``token``: the valid-token count, final only when the first chunk is the whole
+        step; when streaming the chunks pass a provisional count and ``finish_step``
+        gets the true one (the trainer rescales the accumulated gradients exactly).
         """
         if self.cfg.ppo.loss_agg == "sample":
-            return float(self.cfg.samples_per_step)
-        if not whole_step:
-            raise ValueError(
-                "ppo.loss_agg=token needs the whole step's valid-token count before the first "
-                "chunk's backward, which streaming cannot know; use ppo.loss_agg=sample"
-            )
-        return float(first_chunk["loss_mask"].sum().item())
+            return float(self.cfg.samples_per_step), True
+        if whole_step:
+            return float(first_chunk["loss_mask"].sum().item()), True
+        return float(self.cfg.samples_per_step * self.cfg.rollout.max_new_tokens), False
+
+    def _finish_step(self, full: dict[str, torch.Tensor], *, final: bool) -> dict[str, float]:
+        """One optimizer + scheduler update; the true token count when it was provisional."""
+        if final:
+            out: dict[str, float] = self.actor.call("finish_step")[0]
+        else:
+            true_count = float(full["loss_mask"].sum().item())
+            out = self.actor.call("finish_step", loss_denominator=true_count)[0]
+        return out
 
     def _backward(self, batch: dict[str, torch.Tensor], denominator: float) -> dict[str, float]:
         kwargs: dict[str, Any] = {
