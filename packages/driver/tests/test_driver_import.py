@@ -8,4 +8,6 @@ def test_public_names_resolve() -> None:
     assert module.__version__ == "0.1.0"
     assert isinstance(module.__all__, list)
     for name in module.__all__:
-        assert hasattr(module, name), f"ppo_driver.__all__ lists {name!r} but the package does not define it"
+        assert hasattr(module, name), (
+            f"ppo_driver.__all__ lists {name!r} but the package does not define it"
+        )
