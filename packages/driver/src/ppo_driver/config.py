@@ -56,8 +56,8 @@ class RunConfig:
     name: str = "tiny"
     output_dir: str = "runs"
     seed: int = 0
-    num_steps: int = 60
-    checkpoint_every: int = 20
+    num_steps: int = 100
+    checkpoint_every: int = 25
     keep_checkpoints: int = 2
     progress: bool = True
 
