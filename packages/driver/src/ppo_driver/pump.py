@@ -283,6 +283,7 @@ class TrainPump:
         self.weight_version = weight_version
         self.fail_at = fail_at
         self.in_update = False
+        self._switches_before = 0
         self._gen_window: dict[int, list[float]] = {}  # step -> [first poll, last arrival]
         self._step_of: Callable[[int], int] = step_of or (lambda gid: gid // cfg.batch_groups)
 
@@ -333,6 +334,7 @@ class TrainPump:
         colocated_full_batch = cfg.cluster.colocate and not cfg.streaming
         full_batch_epochs = not cfg.streaming and ppo.ppo_epochs > 1
         t_step = time.perf_counter()
+        self._switches_before = self.residency.switches
         self.trace.take_step_totals()
         self.gate.begin_step(step)
         self.feed_generation()
@@ -562,7 +564,7 @@ class TrainPump:
             "rollout/response_len_mean": float(mask.sum(dim=1).mean()),
             "train/chunks": len(chunk_groups),
             "train/chunk_groups": chunk_groups,
-            "train/switches": self.residency.switches,
+            "train/switches": self.residency.switches - self._switches_before,
             "perf/step_s": step_s,
             "perf/wait_s": waited,
             "perf/idle_frac": waited / step_s if step_s > 0 else 0.0,
