@@ -246,3 +246,28 @@ def test_rehome_keeps_tensor_objects_and_training_exact() -> None:
         o.zero_grad(set_to_none=True)
         train_step(m, o, seed=9)
     assert_bit_exact(snapshot(plain, plain_opt), snapshot(model, opt))
+
+
+def test_unresizable_storage_is_refused_before_anything_moves() -> None:
+    # Optimizer state read straight from a file wraps a buffer that cannot be resized:
+    # the sleep must refuse with a clear error and leave every part resident.
+    model, opt = _trained()
+    first = next(iter(model.parameters()))
+    state = opt.state[first]
+    raw = state["exp_avg"].detach().clone().numpy().tobytes()
+    state["exp_avg"] = torch.frombuffer(bytearray(raw), dtype=torch.float32).view_as(first)
+    assert not state["exp_avg"].untyped_storage().resizable()
+    manager = OffloadManager(model, opt, name="actor")
+    before = snapshot(model, opt)
+    resident = manager.device_bytes()
+
+    with pytest.raises(ValueError, match=r"not resizable.*nothing was moved.*clone"):
+        manager.sleep()
+
+    assert not manager.is_asleep
+    assert manager.device_bytes() == resident
+    assert_bit_exact(before, snapshot(model, opt))
+    state["exp_avg"] = state["exp_avg"].clone()  # the documented fix
+    manager.sleep()
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))

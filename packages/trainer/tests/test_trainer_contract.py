@@ -453,6 +453,10 @@ def test_checkpoint_round_trip(backend: str, tmp_path: Path) -> None:
     actor2.load_checkpoint(tmp_path / "actor")
     critic2.load_checkpoint(tmp_path / "critic")
     assert actor2.global_step == 1 and critic2.global_step == 2
+    # Loaded state owns its memory: the first sleep after a resume can release it.
+    for worker in (actor2, critic2):
+        worker.sleep()
+        worker.wake_up()
     _, m_b = run_actor(actor2, d2, [list(range(6))], loss_agg="token")
     critic2.train(
         d2.batch, returns=d2.returns, old_values=d2.old_values, epochs=1, mini_batch_size=3

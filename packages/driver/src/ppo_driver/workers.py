@@ -51,40 +51,6 @@ def _slice_tree(value: Any, rows: slice) -> Any:
     return value
 
 
-def _own_optimizer_storage(worker: Any, *, depth: int = 2) -> int:
-    """Give optimizer state loaded from a checkpoint storage of its own.
-
-    Work-around (until the trainer copies on load): ``load_checkpoint`` hands the
-    optimizer tensors read by safetensors, whose storage is not resizable, and the
-    lifecycle's host-copy offload frees a tensor by resizing its storage to 0. Without
-    this the first ``sleep()`` after ``--resume`` fails. Returns the tensors copied.
-    """
-    copied = 0
-    frontier: list[Any] = [worker]
-    seen: set[int] = set()
-    for _ in range(depth + 1):
-        nxt: list[Any] = []
-        for obj in frontier:
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, torch.optim.Optimizer):
-                for state in obj.state.values():
-                    for key, value in list(state.items()):
-                        if (
-                            isinstance(value, torch.Tensor)
-                            and not value.untyped_storage().resizable()
-                        ):
-                            state[key] = value.clone()
-                            copied += 1
-                continue
-            attrs = getattr(obj, "__dict__", None)
-            if isinstance(attrs, dict):
-                nxt.extend(v for v in attrs.values() if hasattr(v, "__dict__"))
-        frontier = nxt
-    return copied
-
-
 class _Host:
     """The per-rank Ray actor body: builds the trainer worker and forwards calls."""
 
@@ -95,10 +61,7 @@ class _Host:
         self.worker = worker_cls(config, rank=rank, world_size=world_size, dist_init_method=init)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out = getattr(self.worker, method)(*args, **kwargs)
-        if method == "load_checkpoint":
-            _own_optimizer_storage(self.worker)
-        return out
+        return getattr(self.worker, method)(*args, **kwargs)
 
     def attr(self, name: str) -> Any:
         return getattr(self.worker, name)

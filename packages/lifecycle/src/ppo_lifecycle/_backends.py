@@ -118,8 +118,25 @@ class HostCopyBackend:
             self._cache[key] = buf
         return buf
 
+    def check_releasable(self, part: Part, groups: Sequence[StorageGroup]) -> None:
+        """Raise ValueError, before anything moves, if a storage cannot be freed.
+
+        A storage that cannot be resized (a tensor wrapping a file or a foreign buffer)
+        could be copied out but never released, and ``resize_`` would fail half-way.
+        """
+        fixed = [g for g in groups if not g.storage.resizable()]
+        if fixed:
+            raise ValueError(
+                f"cannot offload {part.value}: {len(fixed)} storage(s) of "
+                f"{sum(g.nbytes for g in fixed)} bytes are not resizable (tensors that wrap a "
+                "file or an external buffer, e.g. straight from safetensors.load_file or "
+                "torch.frombuffer); nothing was moved. Give them storage of their own first "
+                "(tensor.clone()) when loading state into the model or optimizer"
+            )
+
     def offload(self, part: Part, groups: Sequence[StorageGroup]) -> int:
         assert part not in self._saved, f"{part} offloaded twice"
+        self.check_releasable(part, groups)
         saved: list[_Saved] = []
         for group in groups:
             storage, key, nbytes = group.storage, group.key, group.nbytes

@@ -207,6 +207,9 @@ class OffloadManager:
                 "or give gradients their own buffers."
             )
         groups = collect_groups(todo, tensors, skip=self.backend.offloaded_keys())
+        if isinstance(self.backend, HostCopyBackend):
+            for part in todo:  # every part checked before the first one moves
+                self.backend.check_releasable(part, groups[part])
         if not self._asleep and self._on_release is not None:
             self._on_release()
         for part in PART_ORDER:

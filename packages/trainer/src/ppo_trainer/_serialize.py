@@ -100,5 +100,7 @@ def load_state(directory: str | os.PathLike[str], *, stem: str = "state") -> Any
     """Read what ``save_state`` wrote (tensors on the CPU)."""
     d = Path(directory)
     skeleton = json.loads((d / f"{stem}.json").read_text(encoding="utf-8"))
-    tensors = load_file(str(d / f"{stem}.safetensors"))
+    # load_file's tensors wrap a buffer whose storage cannot be resized; optimizer state
+    # and parameters must own theirs so that ppo_lifecycle can release them on sleep().
+    tensors = {k: t.clone() for k, t in load_file(str(d / f"{stem}.safetensors")).items()}
     return unflatten_state(skeleton, tensors)
