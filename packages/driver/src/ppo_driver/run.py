@@ -143,10 +143,9 @@ class _Generation:
         ray.get([e.continue_generation.remote() for e in self.engines])
 
 
-def _placement(cfg: DriverConfig) -> Any:
-    """The shared placement group: actor rank r and critic rank r on bundle r, the
-    engines on the rollout bundles (or on the training bundles when colocated)."""
-    from ppo_placement import SharedPlacement, check_streaming_layout, placement_layout
+def _layout(cfg: DriverConfig) -> Any:
+    """The bundle layout (critic reuses the actor's bundles; colocated: max of both)."""
+    from ppo_placement import check_streaming_layout, placement_layout
 
     layout = placement_layout(
         actor_gpus=cfg.cluster.actor_gpus,
@@ -154,6 +153,14 @@ def _placement(cfg: DriverConfig) -> Any:
         colocate=cfg.cluster.colocate,
     )
     check_streaming_layout(layout, streaming=cfg.streaming)
+    return layout
+
+
+def _placement(layout: Any) -> Any:
+    """The shared placement group: actor rank r and critic rank r on bundle r, the
+    engines on the rollout bundles (or on the training bundles when colocated)."""
+    from ppo_placement import SharedPlacement
+
     return SharedPlacement(layout).create()
 
 
@@ -230,8 +237,9 @@ def train(
 
     # ---- cluster, placement, workers, engines
     started_here = not ray.is_initialized()
+    layout = _layout(cfg)
     start_local_ray(
-        num_gpus=cfg.cluster.actor_gpus + (0 if cfg.cluster.colocate else cfg.cluster.rollout_gpus),
+        num_gpus=layout.num_gpus,
         num_cpus=cfg.cluster.num_cpus
         or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
     )
@@ -241,7 +249,7 @@ def train(
 
     tokenizer = CharTokenizer(TASK_ALPHABET)
     actor_cfg, critic_cfg = build_trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
-    placement = _placement(cfg)
+    placement = _placement(layout)
     actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
     critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
     rollout_slots = list(placement.rollout_view())
