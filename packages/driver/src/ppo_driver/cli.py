@@ -96,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.run.progress = False
     try:
         result = train(cfg, run_dir=run_dir, resume=args.resume)
-    except InjectedFailure as exc:  # a crash drill: die like a killed process, no clean-up
+    except InjectedFailure as exc:
+        # A crash drill: train() has already run its clean-up (workers, Ray, trace); what
+        # the drill tests is that no half-written checkpoint is ever taken as the latest.
         print(f"ppo-driver: {exc}", file=sys.stderr, flush=True)
         os._exit(3)
     return 0 if result.completed_steps >= cfg.run.num_steps else 1
