@@ -195,6 +195,19 @@ _REGISTRY: dict[str, str] = {
 }
 
 
+def sum_floats_over_ranks(
+    values: Sequence[float], *, dp_size: int, device: torch.device, group: Any = None
+) -> list[float]:
+    """Sum a few Python floats over the data-parallel ranks (float64, one all-reduce)."""
+    if dp_size == 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return [float(v) for v in t.tolist()]
+
+
 def register_backend(name: str, target: str) -> None:
     """Register (or replace) a backend factory given as ``"module.path:attribute"``."""
     if ":" not in target:

@@ -23,7 +23,13 @@ import torch.distributed as dist
 from ppo_lifecycle import OffloadManager
 from torch import nn
 
-from ppo_trainer._backend import Batch, ForwardFn, LossFn, lr_multiplier
+from ppo_trainer._backend import (
+    Batch,
+    ForwardFn,
+    LossFn,
+    lr_multiplier,
+    sum_floats_over_ranks,
+)
 from ppo_trainer._config import ActorConfig, CriticConfig, ModelSpec
 from ppo_trainer._parts import Part
 
@@ -397,11 +403,7 @@ class TorchBackend:
         )
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        if self.dp_size == 1:
-            return [float(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return [float(v) for v in t.tolist()]
+        return sum_floats_over_ranks(values, dp_size=self.dp_size, device=self.device)
 
     def release_process_groups(self) -> None:
         """No-op: the torch backend keeps its (small) process group across sleeps."""

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from ppo_lifecycle import OffloadManager
 from torch import nn
 
-from ppo_trainer._backend import Batch, ForwardFn, LossFn, lr_multiplier
+from ppo_trainer._backend import (
+    Batch,
+    ForwardFn,
+    LossFn,
+    lr_multiplier,
+    sum_floats_over_ranks,
+)
 from ppo_trainer._config import ActorConfig, CriticConfig
 from ppo_trainer._parts import Part
 from ppo_trainer._torch_backend import build_causal_lm, build_value_model, resolve_device
@@ -802,11 +808,9 @@ class MegatronBackend:
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        if self.dp_size == 1:
-            return [float(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ps.get_data_parallel_group())
-        return [float(v) for v in t.tolist()]
+        return sum_floats_over_ranks(
+            values, dp_size=self.dp_size, device=self.device, group=ps.get_data_parallel_group()
+        )
 
     def release_process_groups(self) -> None:
         """No-op: megatron's process groups are shared by the actor and the critic."""
