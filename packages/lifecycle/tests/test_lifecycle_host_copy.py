@@ -254,8 +254,9 @@ def test_unresizable_storage_is_refused_before_anything_moves() -> None:
     model, opt = _trained()
     first = next(iter(model.parameters()))
     state = opt.state[first]
-    raw = state["exp_avg"].detach().clone().numpy().tobytes()
-    state["exp_avg"] = torch.frombuffer(bytearray(raw), dtype=torch.float32).view_as(first)
+    wrapped = torch.frombuffer(bytearray(first.numel() * 4), dtype=torch.float32).view_as(first)
+    wrapped.copy_(state["exp_avg"])
+    state["exp_avg"] = wrapped
     assert not state["exp_avg"].untyped_storage().resizable()
     manager = OffloadManager(model, opt, name="actor")
     before = snapshot(model, opt)
