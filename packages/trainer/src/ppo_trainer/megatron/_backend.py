@@ -769,8 +769,8 @@ class MegatronBackend:
             offset = get_transformer_layer_offset(tconfig)
         return gpt, lay, offset, tconfig, hf_state
 
-    def build_policy(self) -> MegatronTrainModel:
-        gpt, lay, offset, tconfig, hf_state = self._build(critic=False)
+    def _build_trainable(self, *, critic: bool) -> MegatronTrainModel:
+        gpt, lay, offset, tconfig, hf_state = self._build(critic=critic)
         model = MegatronTrainModel(
             gpt,
             layout=lay,
@@ -779,10 +779,13 @@ class MegatronBackend:
             config=self.config,
             opts=self.opts,
             tconfig=tconfig,
-            name="actor",
+            name="critic" if critic else "actor",
         )
         model.load_hf(hf_state)
         return model
+
+    def build_policy(self) -> MegatronTrainModel:
+        return self._build_trainable(critic=False)
 
     def build_reference(self) -> MegatronFrozenModel:
         gpt, lay, offset, _, hf_state = self._build(critic=False)
@@ -792,19 +795,7 @@ class MegatronBackend:
         return model
 
     def build_critic(self) -> MegatronTrainModel:
-        gpt, lay, offset, tconfig, hf_state = self._build(critic=True)
-        model = MegatronTrainModel(
-            gpt,
-            layout=lay,
-            device=self.device,
-            offset=offset,
-            config=self.config,
-            opts=self.opts,
-            tconfig=tconfig,
-            name="critic",
-        )
-        model.load_hf(hf_state)
-        return model
+        return self._build_trainable(critic=True)
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
