@@ -61,6 +61,13 @@ def main() -> None:
         print(
             f"{mode:<11} {chunks:>11.2f} {step_s:>8.3f} {wait_s:>8.3f} {idle:>6.1%} {reward:>7.3f}"
         )
+    phases = ("wait", "switch", "value", "logprob", "backward", "update", "refit", "critic")
+    print()
+    print(f"{'mode':<11} " + " ".join(f"{p:>8}" for p in phases) + "   (mean s per step)")
+    for mode, metrics in rows.items():
+        timed = metrics[1:] or metrics
+        means = [statistics.mean(float(r.get(f"perf/{p}_s", 0.0)) for r in timed) for p in phases]
+        print(f"{mode:<11} " + " ".join(f"{m:>8.3f}" for m in means))
     print(
         f"step time full-batch / streaming: {summary['full-batch'] / summary['streaming']:.2f}x "
         f"(steps {2}..{args.steps} of each mode; total bench {time.perf_counter() - t0:.0f} s)"
