@@ -1,12 +1,22 @@
 """Step time of streaming against full-batch PPO, same config and seed, in one run.
 
-The built-in task (response lengths vary per sample: a real long tail, no sleeps), the
-default tiny models, one Ray cluster for both modes. Reports per mode: chunks per step,
-mean step time, and the fraction of each step the training devices sat idle (the time
-the pump waited for the sampler to release a chunk, over the step time). The first step
-of each mode is a warm-up and is not counted.
+The built-in task (response lengths vary per sample: a real long tail, no sleeps), one
+Ray cluster for both modes. Reports per mode: chunks per step, mean step time, and the
+fraction of each step the training devices sat idle (the time the pump waited for the
+sampler to release a chunk, over the step time), then the mean seconds per phase. The
+first step of each mode is a warm-up and is not counted.
 
-    uv run --frozen python bench/bench_driver.py [--steps 6] [overrides ...]
+Profiles (``--profile``):
+
+* ``balanced`` (default): policy and critic with hidden 192, 3 layers. Policy work per
+  step (value, log-prob, backward) is about a third of generation, as in LLM PPO,
+  where training a step takes time of the same order as generating it.
+* ``tiny``: the ``ppo-driver train`` defaults (hidden 64, 2 layers). Generation is
+  about ten times the policy work, so there is little to overlap: streaming can hide
+  at most that small share, and on two shared CPU cores the overlapped work also
+  slows generation down.
+
+    uv run --frozen python bench/bench_driver.py [--profile balanced] [--steps 8] [overrides ...]
 """
 
 from __future__ import annotations
@@ -17,6 +27,19 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+PROFILES: dict[str, list[str]] = {
+    "balanced": [
+        f"{role}.{key}={value}"
+        for role in ("policy", "critic")
+        for key, value in (
+            ("hidden_size", 192),
+            ("intermediate_size", 384),
+            ("num_hidden_layers", 3),
+        )
+    ],
+    "tiny": [],
+}
 
 
 def _run(mode: str, overrides: list[str], steps: int, root: Path) -> list[dict[str, Any]]:
@@ -33,7 +56,8 @@ def _run(mode: str, overrides: list[str], steps: int, root: Path) -> list[dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="balanced")
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -44,10 +68,14 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("streaming", "full-batch"):
-            rows[mode] = _run(mode, list(args.overrides), args.steps, Path(tmp))
+            overrides = [*PROFILES[args.profile], *args.overrides]
+            rows[mode] = _run(mode, overrides, args.steps, Path(tmp))
     shutdown_local_ray()
 
     print()
+    print(
+        f"profile {args.profile}: {' '.join(PROFILES[args.profile] + list(args.overrides)) or 'defaults'}"
+    )
     print(f"{'mode':<11} {'chunks/step':>11} {'step_s':>8} {'wait_s':>8} {'idle':>6} {'reward':>7}")
     summary: dict[str, float] = {}
     for mode, metrics in rows.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from ppo_driver.pump import ChunkGate, _Residency, assemble_full_batch
 from ppo_driver.trace import TraceRecorder
-from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase
+from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase, Role
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
 
 
@@ -139,3 +139,38 @@ def test_residency_keeps_actor_grads_between_chunks_and_never_switches_redundant
     res.save_both(saved.append, step=0)
     assert saved == ["critic", "actor"]
     assert res.resident == "critic"
+
+
+def test_fused_chunk_plan_moves_each_switch_into_the_neighbouring_model_call() -> None:
+    """The pump fuses a chunk's switches into its model calls: the critic leaves in the
+    call that computes values, the actor arrives in the call that computes log-probs,
+    and leaves (keeping gradients) in its backward call; nothing is planned twice."""
+    log: list[str] = []
+    res = _Residency(_Recorder("actor", log), _Recorder("critic", log), TraceRecorder())
+    res.start()
+    log.clear()
+    assert res.plan(Phase.VALUE_FORWARD) == []  # the critic is already resident
+    to_actor = res.plan(Phase.POLICY_FORWARD)
+    split = res.split(to_actor, after=Role.CRITIC)
+    assert split is not None
+    lead, follow = split
+    assert [f"{t}" for t in lead] == ["critic.sleep(all)"]
+    assert [f"{t}" for t in follow] == ["actor.wake_up"]
+    ops = res.as_ops([*lead, *follow])
+    assert [(op.method, op.kwargs, op.phase) for op in ops] == [
+        ("sleep", {"parts": ALL_PARTS}, "switch"),
+        ("wake_up", {}, "switch"),
+    ]
+    assert res.plan(Phase.POLICY_BACKWARD) == []
+    to_critic = res.plan(Phase.WAIT, Phase.VALUE_FORWARD)
+    split = res.split(to_critic, after=Role.ACTOR)
+    assert split is not None
+    assert [f"{t}" for t in split[0]] == ["actor.sleep(keep_grads)"]
+    assert res.as_ops(split[0])[0].kwargs == {"parts": KEEP_GRADIENTS}
+    assert [f"{t}" for t in split[1]] == ["critic.wake_up"]
+    # planned = taken as done: an empty selection moves nothing, no call was made here
+    assert res.plan(Phase.WAIT, Phase.VALUE_FORWARD) == []
+    assert res.resident == Role.CRITIC and res.switches == 2
+    assert log == []
+    # a plan whose shape cannot be fused (the first role again after the other) is refused
+    assert res.split([*follow, *lead], after=Role.CRITIC) is None

@@ -47,8 +47,12 @@ def test_torch_memory_saver_pauses_per_part() -> None:
     opt = torch.optim.Adam(big.parameters(), lr=1e-3)
     manager = OffloadManager(big, opt, backend=backend, name="tms")
     x = torch.randn(8, 4096, device="cuda")
+    # A region captures only this thread's allocations; backward() allocates on
+    # autograd's own thread, so create the gradients here and let it accumulate.
     with manager.allocation_region(Part.GRADIENTS):
-        big(x).sum().backward()
+        for p in big.parameters():
+            p.grad = torch.zeros_like(p)
+    big(x).sum().backward()
     with manager.allocation_region(Part.OPTIMIZER):
         opt.step()
     big(x).sum().backward()
@@ -63,8 +67,28 @@ def test_torch_memory_saver_pauses_per_part() -> None:
     manager.wake_up()  # idempotent: no second resume
     assert_bit_exact(before, snapshot(big, opt))
     manager.sleep(parts=ALL_PARTS)
+    free_all, _ = torch.cuda.mem_get_info()
+    assert free_all - free_before >= 4 * 64 * 2**20 * 0.9  # and the gradients
     manager.wake_up()
     assert_bit_exact(before, snapshot(big, opt))
+    with pytest.raises(ValueError, match="already used"):
+        TorchMemorySaverBackend(device, name="tms")  # its tags would collide
+
+
+def test_torch_memory_saver_moves_gradients_backward_made_outside_the_region(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pytest.importorskip("torch_memory_saver")
+    model, opt = make(device="cuda")
+    manager = OffloadManager(model, opt, backend="torch_memory_saver", name="stray")
+    with manager.allocation_region(Part.GRADIENTS):
+        loss_fn(model, batch(2, "cuda")).backward()  # runs on autograd's thread
+    before = snapshot(model, opt)
+    with caplog.at_level("WARNING", logger="ppo_lifecycle"):
+        manager.sleep()
+    assert "not in it" in caplog.text
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
 
 
 def test_torch_memory_saver_adopts_tensors_allocated_outside() -> None:

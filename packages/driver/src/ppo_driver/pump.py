@@ -182,9 +182,10 @@ class _Residency:
         self.groups[Role.CRITIC].call("wake_up")
         self.resident = Role.CRITIC
 
-    def prepare(self, *phases: Any, step: int) -> None:
-        """Execute the transitions the lifecycle plan puts before ``phases`` (only the
-        first phase's work follows; later phases only say what a WAIT prepares for)."""
+    def plan(self, *phases: Any) -> list[Any]:
+        """The transitions the lifecycle plan puts before ``phases`` (only the first
+        phase's work follows; later phases only say what a WAIT prepares for), taken as
+        done: the caller executes them (:meth:`execute`, or fused into worker calls)."""
         from ppo_lifecycle import Action, Phase, Transition, Work, plan_transitions
 
         plan = plan_transitions(
@@ -193,22 +194,63 @@ class _Residency:
             pending_gradients=self.pending_gradients,
             end_resident=None,
         )
+        out: list[Any] = []
         for item in plan:
             if isinstance(item, Work):
                 break
             assert isinstance(item, Transition)
-            group = self.groups[item.role]
-            with self.trace.span(f"{item}", phase="switch", step=step):
-                if item.action is Action.SLEEP:
-                    group.call("sleep", parts=item.parts)
-                else:
-                    group.call("wake_up")
-                    self.resident = item.role
-                    self.switches += 1
+            out.append(item)
+            if item.action is Action.WAKE_UP:
+                self.resident = item.role
+                self.switches += 1
         if phases[0] is Phase.POLICY_BACKWARD:
             self.pending_gradients = True
         elif phases[0] is Phase.POLICY_UPDATE:
             self.pending_gradients = False
+        return out
+
+    def execute(self, transitions: Sequence[Any], *, step: int) -> None:
+        """Run planned transitions one Ray call each, in order, each traced."""
+        from ppo_lifecycle import Action
+
+        for item in transitions:
+            with self.trace.span(f"{item}", phase="switch", step=step):
+                if item.action is Action.SLEEP:
+                    self.groups[item.role].call("sleep", parts=item.parts)
+                else:
+                    self.groups[item.role].call("wake_up")
+
+    def prepare(self, *phases: Any, step: int) -> None:
+        """Plan and execute the transitions before ``phases`` (see :meth:`plan`)."""
+        self.execute(self.plan(*phases), step=step)
+
+    @staticmethod
+    def as_ops(transitions: Sequence[Any]) -> list[Any]:
+        """Transitions as worker calls to fuse into a group's Ray call."""
+        from ppo_lifecycle import Action
+
+        from ppo_driver.workers import Op
+
+        return [
+            Op("sleep", kwargs={"parts": t.parts}, label=f"{t}", phase="switch")
+            if t.action is Action.SLEEP
+            else Op("wake_up", label=f"{t}", phase="switch")
+            for t in transitions
+        ]
+
+    def split(
+        self, transitions: Sequence[Any], *, after: Any
+    ) -> tuple[list[Any], list[Any]] | None:
+        """Split planned transitions for fusing: those of ``after`` (the role whose work
+        precedes them) join its call, the rest lead the other role's next call.
+        ``None`` when the plan does not have that shape (execute it on its own)."""
+        k = 0
+        while k < len(transitions) and transitions[k].role == after:
+            k += 1
+        lead, follow = list(transitions[:k]), list(transitions[k:])
+        if any(t.role == after for t in follow):
+            return None
+        return lead, follow
 
     def save_both(self, save: Callable[[str], object], *, step: int) -> None:
         """Checkpoint both models in the plan's order (resident one first), ending with
@@ -283,6 +325,10 @@ class TrainPump:
         self.weight_version = weight_version
         self.fail_at = fail_at
         self.in_update = False
+        self._pending: tuple[Any, list[Any], list[Any], int] | None = None
+        # True once this step's policy is final on the engines (after the early refit):
+        # the next step's prompts may then be dispatched, overlapping critic training.
+        self._policy_ahead = False
         self._switches_before = 0
         self._gen_window: dict[int, list[float]] = {}  # step -> [first poll, last arrival]
         self._step_of: Callable[[int], int] = step_of or (lambda gid: gid // cfg.batch_groups)
@@ -291,7 +337,8 @@ class TrainPump:
     def feed_generation(self, timeout_s: float = 0.0) -> int:
         """Let the rollout manager dispatch (lookahead-bounded) and file finished groups."""
         before = time.perf_counter()
-        ready = self.rollout.pump(trainer_step=self.completed_steps, timeout_s=timeout_s)
+        admit = self.completed_steps + (1 if self._policy_ahead else 0)
+        ready = self.rollout.pump(trainer_step=admit, timeout_s=timeout_s)
         top = int(getattr(self.rollout, "max_step_dispatched", self.completed_steps))
         for s in range(self.completed_steps, top + 1):  # generation windows open at dispatch
             self._gen_window.setdefault(s, [before, before])
@@ -365,45 +412,24 @@ class TrainPump:
                 batch["input_ids"].shape[0],
             )
             with self.trace.span(f"chunk {k}", step=step, phase="chunk", args={"groups": len(ids)}):
-                # critic: value forward with the UNCHANGED critic -> old values for every critic epoch
-                self.residency.prepare(Phase.VALUE_FORWARD, step=step)
-                with self.trace.span("value forward", step=step, phase="value"):
-                    batch["old_values"] = self.critic.gather_rows(
-                        "compute_values", _model_inputs(batch)
-                    )
-                # GAE per sample -> advantages, frozen returns; advantages normalised per chunk
-                advantages, returns = self.gae(
-                    rewards=batch["rewards"],
-                    values=batch["old_values"],
-                    mask=batch["loss_mask"],
-                    gamma=ppo.adv_estimator.gamma,
-                    lam=ppo.adv_estimator.lam,
+                chunk_metrics = self._train_chunk(
+                    batch,
+                    step=step,
+                    policy=not warmup,
+                    backward=not full_batch_epochs,
+                    denominator=denominator,
+                    more_chunks=self.gate.remaining > 0,
                 )
-                if ppo.adv_estimator.normalize_advantages:
-                    advantages = self.whiten(values=advantages, mask=batch["loss_mask"])
-                batch["advantages"], batch["returns"] = advantages, returns
                 if not warmup:
-                    # actor: log-prob (+ reference) forward
-                    self.residency.prepare(Phase.POLICY_FORWARD, step=step)
-                    with self.trace.span("logprob forward", step=step, phase="logprob"):
-                        batch["old_logprobs"] = self.actor.gather_rows(
-                            "compute_logprobs", _model_inputs(batch)
-                        )
-                        if ppo.kl_loss_coef > 0:
-                            batch["ref_logprobs"] = self.actor.gather_rows(
-                                "compute_ref_logprobs", _model_inputs(batch)
-                            )
-                        kl_sum += _engine_kl_sum(batch)
-                    # actor: backward scaled by the WHOLE step's count; no optimizer step
-                    if not full_batch_epochs:
-                        self.residency.prepare(Phase.POLICY_BACKWARD, step=step)
-                        with self.trace.span("policy backward", step=step, phase="backward"):
-                            actor_metrics.append(self._backward(batch, denominator))
+                    kl_sum += _engine_kl_sum(batch)
+                if chunk_metrics is not None:
+                    actor_metrics.append(chunk_metrics)
             chunks.append(batch)
             chunk_groups.append(len(ids))
             if self.gate.remaining > 0:
                 # prepare the value model before waiting; it stays across empty selections
                 self.residency.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=step)
+        self._settle()
         log.info("train_pump: step %d closing on %d chunk(s)", step, len(chunks))
         self._maybe_fail("after_chunks", step)
 
@@ -435,6 +461,11 @@ class TrainPump:
             if not colocated_full_batch:
                 self.residency.prepare(Phase.REFIT, step=step)
                 refit_s = self._refit(step)  # early refit: before critic training
+        if not colocated_full_batch:
+            # The engines hold the next step's policy (or, in critic warm-up, the policy
+            # did not change): its generation overlaps critic training.
+            self._policy_ahead = True
+            self.feed_generation()
         # critic: critic_ppo_epochs epochs over the assembled FULL batch, frozen returns/old values
         if colocated_full_batch:
             self.generation.pause()  # generation shares the devices: paused during critic training
@@ -451,6 +482,7 @@ class TrainPump:
         ids = self.gate.finish_step()
         self.rollout.release(ids)
         self.completed_steps += 1
+        self._policy_ahead = False
         self.in_update = False
         self._maybe_fail("after_step", step)
 
@@ -476,6 +508,137 @@ class TrainPump:
         )
 
     # ---------------------------------------------------------------- pieces
+    def _train_chunk(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        step: int,
+        policy: bool,
+        backward: bool,
+        denominator: float,
+        more_chunks: bool,
+    ) -> dict[str, float] | None:
+        """One chunk, in the document's order, with the switches fused into the model
+        calls (one Ray round trip per model and phase group, not one per call):
+
+        1. critic: value forward with the UNCHANGED critic (old values, kept for every
+           critic epoch), then it sleeps;  actor (ordered after it): wake, log-prob
+           (+ reference) forward;  meanwhile the driver computes GAE;
+        2. actor: backward scaled by the WHOLE step's count (no optimizer step), then
+           sleeps keeping its gradients;  critic (ordered after it): wakes, so the value
+           model is ready before the wait for the next chunk.
+
+        Fills ``old_values``, ``advantages``, ``returns`` (and ``old_logprobs``,
+        ``ref_logprobs``) in ``batch``; returns the backward's metrics (or ``None``).
+        """
+        from ppo_lifecycle import Phase, Role
+
+        from ppo_driver.workers import Op
+
+        ppo = self.cfg.ppo
+        res = self.residency
+        inputs = _model_inputs(batch)
+        rows = int(batch["input_ids"].shape[0])
+        self._settle()
+        res.prepare(Phase.VALUE_FORWARD, step=step)  # normally nothing: prepared before the wait
+        critic_ops = [Op("compute_values", (inputs,), label="value forward", phase="value")]
+        actor_ops: list[Op] = []
+        if policy:
+            to_actor = res.plan(Phase.POLICY_FORWARD)
+            fused = res.split(to_actor, after=Role.CRITIC)
+            if fused is None:
+                res.execute(to_actor, step=step)
+                fused = ([], [])
+            critic_ops += res.as_ops(fused[0])
+            actor_ops = [
+                *res.as_ops(fused[1]),
+                Op("compute_logprobs", (inputs,), label="logprob forward", phase="logprob"),
+            ]
+            if ppo.kl_loss_coef > 0:
+                actor_ops.append(
+                    Op("compute_ref_logprobs", (inputs,), label="ref forward", phase="logprob")
+                )
+        critic_refs = self.critic.submit(critic_ops, rows=rows)
+        actor_refs = self.actor.submit(actor_ops, rows=rows, after=critic_refs) if actor_ops else []
+        batch["old_values"] = self._collect(self.critic, critic_refs, critic_ops, step)[0]
+        # GAE per sample -> advantages, frozen returns; advantages normalised per chunk
+        advantages, returns = self.gae(
+            rewards=batch["rewards"],
+            values=batch["old_values"],
+            mask=batch["loss_mask"],
+            gamma=ppo.adv_estimator.gamma,
+            lam=ppo.adv_estimator.lam,
+        )
+        if ppo.adv_estimator.normalize_advantages:
+            advantages = self.whiten(values=advantages, mask=batch["loss_mask"])
+        batch["advantages"], batch["returns"] = advantages, returns
+        if not policy:
+            return None
+        outs = self._collect(self.actor, actor_refs, actor_ops, step)
+        batch["old_logprobs"] = outs[-2] if ppo.kl_loss_coef > 0 else outs[-1]
+        if ppo.kl_loss_coef > 0:
+            batch["ref_logprobs"] = outs[-1]
+        if not backward:
+            return None
+        res.execute(res.plan(Phase.POLICY_BACKWARD), step=step)  # normally nothing
+        kwargs: dict[str, Any] = {
+            "old_logprobs": batch["old_logprobs"],
+            "advantages": batch["advantages"],
+            "loss_denominator": denominator,
+        }
+        if "ref_logprobs" in batch:
+            kwargs["ref_logprobs"] = batch["ref_logprobs"]
+        back_ops = [Op("backward", (inputs,), kwargs, label="policy backward", phase="backward")]
+        critic_after: list[Op] = []
+        if more_chunks:  # prepare the value model before waiting for the next chunk
+            to_critic = res.plan(Phase.WAIT, Phase.VALUE_FORWARD)
+            fused = res.split(to_critic, after=Role.ACTOR)
+            if fused is None:
+                res.execute(to_critic, step=step)
+                fused = ([], [])
+            back_ops += res.as_ops(fused[0])
+            critic_after = res.as_ops(fused[1])
+        back_refs = self.actor.submit(back_ops, rows=rows)
+        if critic_after:  # not awaited here: it runs while the pump waits for a chunk
+            self._pending = (
+                self.critic,
+                self.critic.submit(critic_after, after=back_refs),
+                critic_after,
+                step,
+            )
+        per_rank = self.actor.results(back_refs)
+        self._trace_ops(per_rank, back_ops, step)
+        return _sum_dicts([rank[0][0] for rank in per_rank])
+
+    def _collect(
+        self, group: Any, refs: Sequence[Any], ops: Sequence[Any], step: int
+    ) -> list[torch.Tensor]:
+        """Wait for a fused call; trace its ops; per op, the ranks' ``[B_r, T]`` rows
+        concatenated (``None`` for ops without a result, e.g. sleep/wake)."""
+        per_rank = group.results(refs)
+        self._trace_ops(per_rank, ops, step)
+        out: list[Any] = []
+        for i in range(len(ops)):
+            parts = [rank[i][0] for rank in per_rank]
+            out.append(torch.cat(parts, dim=0) if isinstance(parts[0], torch.Tensor) else None)
+        return out
+
+    def _trace_ops(self, per_rank: Sequence[Any], ops: Sequence[Any], step: int) -> None:
+        """Rank 0's per-op wall-clock times, placed on the driver's timeline."""
+        shift = time.perf_counter() - time.time()
+        for op, (_, t0, t1) in zip(ops, per_rank[0], strict=True):
+            self.trace.add(
+                op.label, start_s=t0 + shift, end_s=t1 + shift, step=step, phase=op.phase
+            )
+
+    def _settle(self) -> None:
+        """Surface the result (or error) of a fused call left running (the critic's
+        wake-up before a wait)."""
+        if self._pending is not None:
+            group, refs, ops, step = self._pending
+            self._pending = None
+            self._trace_ops(group.results(refs), ops, step)
+
     def _loss_denominator(
         self, first_chunk: dict[str, torch.Tensor], *, whole_step: bool
     ) -> tuple[float, bool]:

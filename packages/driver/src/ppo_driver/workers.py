@@ -10,19 +10,24 @@ decides nothing: when to sleep, wake, save or refit is the pump's plan.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
-__all__ = ["TrainGroup", "free_port", "shard_rows"]
+__all__ = ["Op", "TrainGroup", "free_port", "shard_rows"]
 
 _WORKER_ENV = {
     # One compute thread per worker process: actor, critic and engines share few cores.
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # Large CPU tensors on transparent huge pages: far fewer page faults when a model
+    # wakes up into freshly allocated memory (host-copy offload on a CPU "device").
+    "THP_MEM_ALLOC_ENABLE": "1",
 }
 
 
@@ -48,7 +53,23 @@ def _slice_tree(value: Any, rows: slice) -> Any:
         return value[rows].contiguous()
     if isinstance(value, Mapping):
         return {k: _slice_tree(v, rows) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_slice_tree(v, rows) for v in value)
     return value
+
+
+@dataclass(frozen=True)
+class Op:
+    """One worker method call inside a fused call (:meth:`TrainGroup.submit`).
+
+    ``label`` and ``phase`` name the call on the step timeline.
+    """
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+    phase: str = ""
 
 
 class _Host:
@@ -62,6 +83,17 @@ class _Host:
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def run(self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], *after: Any) -> Any:
+        """Several calls in one Ray round trip, in order: ``[(result, t0, t1)]`` with
+        wall-clock times. ``after``: object refs Ray resolves first (ordering only)."""
+        del after
+        out = []
+        for method, args, kwargs in ops:
+            t0 = time.time()
+            result = getattr(self.worker, method)(*args, **kwargs)
+            out.append((result, t0, time.time()))
+        return out
 
     def attr(self, name: str) -> Any:
         return getattr(self.worker, name)
@@ -119,6 +151,36 @@ class TrainGroup:
             kw = {k: _slice_tree(v, rows_r) for k, v in per_sample.items()}
             refs.append(handle.call.remote(method, (_slice_tree(batch, rows_r),), kw))
         return list(ray.get(refs))
+
+    def submit(
+        self, ops: Sequence[Op], *, rows: int | None = None, after: Sequence[Any] = ()
+    ) -> list[Any]:
+        """Start ``ops`` on every rank as ONE Ray call each; returns the refs (rank order).
+
+        ``rows``: shard every tensor in the ops' arguments by rows (``[B, ...]`` with
+        ``B == rows``) as :meth:`call_sharded` does. ``after``: refs of another group's
+        call (one per rank, or any number) that must finish before these ops start:
+        rank ``r`` waits for ``after[r]`` when the counts match, else for all of them.
+        """
+        shards = shard_rows(rows, self.world_size) if rows is not None else None
+        refs = []
+        for r, handle in enumerate(self.handles):
+            wire = [
+                (
+                    op.method,
+                    _slice_tree(op.args, shards[r]) if shards else op.args,
+                    _slice_tree(op.kwargs, shards[r]) if shards else op.kwargs,
+                )
+                for op in ops
+            ]
+            deps = [after[r]] if len(after) == self.world_size else list(after)
+            refs.append(handle.run.remote(wire, *deps))
+        return refs
+
+    @staticmethod
+    def results(refs: Sequence[Any]) -> list[list[tuple[Any, float, float]]]:
+        """Wait for :meth:`submit` refs: per rank, ``(result, t0, t1)`` for each op."""
+        return list(ray.get(list(refs)))
 
     def gather_rows(
         self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -176,6 +177,72 @@ class HostCopyBackend:
 
 HookMode = Literal["preload", "torch"]
 
+# torch_memory_saver 0.0.10 finds its preload hook as the one LD_PRELOAD entry whose
+# path contains this (torch_memory_saver/hooks/mode_preload.py, get_path_binary).
+_PRELOAD_MARK = "torch_memory_saver"
+
+
+def _preloaded_hooks() -> list[str]:
+    """The ``LD_PRELOAD`` entries that ``torch_memory_saver`` takes for its hook."""
+    return [p for p in os.environ.get("LD_PRELOAD", "").split(":") if _PRELOAD_MARK in p]
+
+
+def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
+    """Configure the singleton's hook mode (if still possible); return the mode in force.
+
+    ``TorchMemorySaver.hook_mode`` is a write-only property that only works before
+    the singleton's first use (``region``/``pause``/``resume`` build its implementation
+    with the mode; later the setter fails). There is no environment variable for it.
+    """
+    impl = getattr(tms, "_impl", None)  # no public getter: reading hook_mode raises
+    if impl is not None:  # already in use (this process made a region or paused before)
+        active: HookMode | None = getattr(impl, "_hook_mode", None)
+        if requested is not None and active is not None and active != requested:
+            raise ValueError(
+                f"hook_mode={requested!r}: torch_memory_saver is already in use in this "
+                f"process with hook_mode={active!r}; the mode is fixed at its first use"
+            )
+        return active or requested or "torch"
+    mode: HookMode = requested or ("preload" if _preloaded_hooks() else "torch")
+    if mode == "preload" and len(_preloaded_hooks()) != 1:
+        raise ValueError(
+            "hook_mode='preload' needs the process started with exactly one torch_memory_saver "
+            "hook in LD_PRELOAD (torch_memory_saver_hook_mode_preload_cu<N>.abi3.so; a parent "
+            "can use torch_memory_saver.configure_subprocess()); "
+            f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}. Or use hook_mode='torch'"
+        )
+    tms.hook_mode = mode
+    return mode
+
+
+def _expandable_segments_on() -> bool:
+    return any(
+        "expandable_segments:True" in os.environ.get(var, "")
+        for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+
+
+def _private_pool_ranges(device: torch.device) -> list[tuple[int, int]] | None:
+    """Address ranges of ``device``'s caching-allocator segments owned by a private pool.
+
+    ``torch_memory_saver`` regions are ``MemPool``s, so a storage allocated inside
+    one lies in such a segment; one allocated in the default pool (``(0, 0)``) was
+    not. ``None`` when this torch does not report segment pools.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ranges: list[tuple[int, int]] = []
+    segments: list[dict[str, Any]] = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+    for segment in segments:
+        if segment.get("device", index) != index:
+            continue
+        pool = segment.get("segment_pool_id")
+        if pool is None:
+            return None
+        if tuple(pool) != (0, 0):
+            address = int(segment["address"])
+            ranges.append((address, address + int(segment["total_size"])))
+    return ranges
+
 
 class TorchMemorySaverBackend:
     """CUDA only: pause/resume ``torch_memory_saver`` regions, one tag per part.
@@ -188,15 +255,38 @@ class TorchMemorySaverBackend:
     recognised by identity; one freed and replaced at the same address outside the
     region would be missed by a pause (it stays resident, its contents intact).
 
+    A region only captures allocations made by the thread that entered it (it is a
+    ``torch.cuda.use_mem_pool`` plus a thread-local switch). ``backward()`` runs the
+    CUDA part of autograd on its own thread, so gradients it creates inside a
+    region are *not* in it: create them there yourself (``p.grad =
+    torch.zeros_like(p)``; backward then accumulates in place). At each sleep the
+    adopted storages are checked against the allocator's private pools and any that
+    are not in one are moved like the others (logged).
+
+    ``torch_memory_saver`` ends the process when asked to pause an allocation that
+    is already paused, so two live backends may not share a ``name``, and nothing
+    else in the process may call ``torch_memory_saver.pause()`` without a tag.
+    ``expandable_segments`` must be off.
+
     Args:
         device: a CUDA device.
         name: prefix of the tags (one manager per model: ``actor``, ``critic``).
         cpu_backup_parts: parts whose contents must survive a pause (default: all).
-        hook_mode: ``torch_memory_saver`` hook mode; default ``preload`` when the
-            process was started with its ``LD_PRELOAD`` hook, else ``torch``.
+        hook_mode: ``torch_memory_saver`` hook mode, fixed at the first use of its
+            process-wide singleton; default ``preload`` when the process was started
+            with its ``LD_PRELOAD`` hook, else ``torch``. Ignored (the mode in force
+            is kept) when it was already in use, unless it contradicts an explicit one.
+
+    Raises:
+        ValueError: not CUDA, the extra is missing, ``name`` is taken by a live
+            backend, expandable segments are on, or the hook mode cannot be had.
     """
 
     name = "torch_memory_saver"
+    _live: ClassVar[weakref.WeakValueDictionary[str, TorchMemorySaverBackend]] = (
+        weakref.WeakValueDictionary()
+    )
+    _paused_tags: ClassVar[set[str]] = set()  # process-wide, like the library's state
 
     def __init__(
         self,
@@ -218,25 +308,33 @@ class TorchMemorySaverBackend:
                 "backend='torch_memory_saver' needs the optional extra: "
                 "pip install 'ppo-lifecycle[cuda]'"
             ) from exc
+        if _expandable_segments_on():
+            raise ValueError(
+                "backend='torch_memory_saver' does not work with expandable_segments:True "
+                "in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF; unset it or use "
+                "backend='host_copy'"
+            )
+        if name in self._live:
+            raise ValueError(
+                f"backend='torch_memory_saver': name {name!r} is already used by a live "
+                "backend in this process; its tags would collide (give each manager its "
+                "own name, e.g. 'actor' and 'critic')"
+            )
         self._tms: Any = torch_memory_saver
-        mode = hook_mode or (
-            "preload" if "torch_memory_saver" in os.environ.get("LD_PRELOAD", "") else "torch"
-        )
-        with contextlib.suppress(AttributeError, AssertionError):
-            # Only settable before the singleton's first use; later it keeps its mode.
-            self._tms.hook_mode = mode
+        self.hook_mode: HookMode = _resolve_hook_mode(self._tms, hook_mode)
         self.device = device
         self.prefix = name
         self.cpu_backup_parts = cpu_backup_parts
         self._adopted: dict[Part, set[int]] = {part: set() for part in Part}
         self._paused: dict[Part, list[tuple[int, int]]] = {}
+        self._live[name] = self
 
     def tag(self, part: Part) -> str:
         return f"{self.prefix}/{part.value}"
 
     @contextlib.contextmanager
     def region(self, part: Part) -> Iterator[None]:
-        """Allocate inside ``part``'s pausable region."""
+        """Allocate inside ``part``'s pausable region (this thread's allocations only)."""
         with (
             torch.cuda.device(self.device),
             self._tms.region(tag=self.tag(part), enable_cpu_backup=part in self.cpu_backup_parts),
@@ -244,16 +342,44 @@ class TorchMemorySaverBackend:
             yield
 
     def adopt(self, part: Part, keys: set[int]) -> None:
-        """Record storage keys allocated inside ``part``'s region (no move needed)."""
+        """Record storage keys allocated inside ``part``'s region (checked at each sleep)."""
         self._adopted[part].update(keys)
 
     def adopt_tensors(self, part: Part, tensors: Iterable[torch.Tensor]) -> None:
         """Record that ``tensors`` were allocated inside ``part``'s :meth:`region`."""
         self.adopt(part, {t.untyped_storage()._cdata for t in tensors})
 
+    def _outside_regions(self, part: Part, groups: Sequence[StorageGroup]) -> set[int]:
+        """Keys of adopted storages in ``groups`` that lie in no private pool."""
+        adopted = [g for g in groups if g.key in self._adopted[part] and g.nbytes > 0]
+        if not adopted:
+            return set()
+        ranges = _private_pool_ranges(self.device)
+        if ranges is None:
+            return set()
+        return {
+            g.key for g in adopted if not any(lo <= g.storage.data_ptr() < hi for lo, hi in ranges)
+        }
+
     def offload(self, part: Part, groups: Sequence[StorageGroup]) -> int:
         """Move storages not yet in ``part``'s region into it, then pause the tag."""
         assert part not in self._paused, f"{part} paused twice"
+        tag = self.tag(part)
+        if tag in self._paused_tags:
+            raise RuntimeError(
+                f"torch_memory_saver tag {tag!r} is already paused by another backend; "
+                "pausing it again would end the process"
+            )
+        stray = self._outside_regions(part, groups)
+        if stray:
+            logger.warning(
+                "%s: %d storage(s) recorded as allocated in the %s region are not in it "
+                "(allocated on another thread, e.g. by backward()?); moving them in now",
+                self.prefix,
+                len(stray),
+                part.value,
+            )
+            self._adopted[part] -= stray
         released: list[tuple[int, int]] = []
         for group in groups:
             if group.key in self._adopted[part]:
@@ -266,13 +392,16 @@ class TorchMemorySaverBackend:
             self._adopted[part].add(key)
             released.append((key, group.nbytes))
         torch.cuda.synchronize(self.device)
-        self._tms.pause(self.tag(part))
+        self._tms.pause(tag)
+        self._paused_tags.add(tag)
         self._paused[part] = released
         return sum(n for _, n in released)
 
     def reload(self, part: Part) -> int:
         assert part in self._paused, f"{part} resumed without being paused"
-        self._tms.resume(self.tag(part))
+        tag = self.tag(part)
+        self._tms.resume(tag)
+        self._paused_tags.discard(tag)
         torch.cuda.synchronize(self.device)
         return sum(n for _, n in self._paused.pop(part))
 
