@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,6 +151,33 @@ def test_pause_waits_for_the_running_group_and_blocks_new_ones(engines: list[Any
     ray.get(e.release_memory.remote())
     assert ray.get(e.health.remote()).memory_released
     ray.get(e.resume_memory.remote())
+
+
+def test_calls_sent_together_share_a_round_and_short_groups_return_first(
+    engines: list[Any],
+) -> None:
+    """Continuous-batching-like engine: single-group calls sent together decode as one
+    batch, and a group returns as soon as its own samples are done (the long tail)."""
+    e = engines[0]
+    ray.get([e.set_step_delay.remote(0.02), e.set_gather_window.remote(1.0)])
+    before = ray.get(e.health.remote()).extra["rounds"]
+    short = dataclasses.replace(PARAMS, max_new_tokens=2)
+    width = len(DATA.prompt_ids(40))  # a round holds prompts of one length (no padding)
+    reqs = _requests([i for i in range(40, 64) if len(DATA.prompt_ids(i)) == width][:5])
+    reqs[2] = dataclasses.replace(reqs[2], params=short)
+    refs = [e.generate.remote([r]) for r in reqs]
+    (first,), _ = ray.wait(refs, num_returns=1, timeout=120)
+    health = ray.get(e.health.remote())
+    outs = [ray.get(r, timeout=120)[0] for r in refs]
+    ray.get([e.set_step_delay.remote(0.0), e.set_gather_window.remote(0.005)])
+    assert first == refs[2]  # the short group came back first ...
+    assert health.extra["rounds"] - before == 1  # ... from the one round of all five ...
+    assert health.extra["busy"] == 5  # ... which went on decoding the long ones
+    assert max(len(s.token_ids) for s in outs[2].samples) <= 2
+    assert max(len(s.token_ids) for o in outs for s in o.samples) > 2
+    # batching changed nothing: the same samples as one call per group, one at a time
+    alone = [ray.get(e.generate.remote([r]))[0] for r in reqs]
+    assert [_strip(o) for o in outs] == [_strip(o) for o in alone]
 
 
 def _manager(engines: list[Any], sampler: InOrderSampler, **kw: Any) -> RolloutManager:

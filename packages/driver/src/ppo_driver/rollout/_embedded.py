@@ -1,11 +1,15 @@
 """The embedded generation engine: a Hugging Face causal LM decoding with its KV cache
 inside a Ray actor (the CPU default; also runs on one GPU).
 
-Threaded actor: ``generate`` calls run one group at a time under the engine lock, while
+Threaded actor with batching across calls: the groups of all ``generate`` calls waiting
+in the engine are decoded together as one batch (a *round*; rows leave it as they
+finish), and each call returns as soon as its own groups are done, while the round goes
+on with the longer ones. Short groups therefore come back first: the long tail of a
+real engine (sglang's continuous batching), minus joining a round already running.
 ``pause_generation``, ``health`` and the refit calls run beside them. A new weight
-version is received into a staging copy concurrently with generation, then swapped in
-under the lock, i.e. strictly between two groups; every output carries the version
-that produced all of its samples.
+version is received concurrently with generation, then swapped in under the lock, i.e.
+strictly between two rounds; every output carries the version that produced all of
+its samples.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,9 +28,28 @@ import torch
 from ._model import build_model
 from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
 from ._sampling import generate_rows, sample_seed
-from ._types import EngineHealth, GroupOutput, GroupRequest, SamplingParams, check_requests
+from ._types import (
+    EngineHealth,
+    GroupOutput,
+    GroupRequest,
+    SampleOutput,
+    SamplingParams,
+    check_requests,
+)
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One group waiting in the engine, then decoding in a round."""
+
+    request: GroupRequest
+    samples: list[SampleOutput | None] = field(default_factory=list)
+    left: int = 0
+    output: GroupOutput | None = None
+    error: BaseException | None = None
+    done: bool = False
 
 
 class EmbeddedEngine:
@@ -39,9 +63,11 @@ class EmbeddedEngine:
         engine_id: a name for logs and outputs.
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when visible).
         num_threads: torch intra-op threads on CPU (default 1: engines share cores).
-        batch_groups: decode the groups of one ``generate`` call that share a prompt
-            length as one batch (deterministic on batch-invariant kernels, e.g. CPU).
+        batch_groups: decode the waiting groups (of every ``generate`` call) that share
+            a prompt length as one batch (deterministic on batch-invariant kernels,
+            e.g. CPU); ``False``: one group per round.
         weight_version: the version of the initial weights.
+        gather_s: how long a round waits for more calls to join before it starts.
     """
 
     def __init__(
@@ -54,6 +80,7 @@ class EmbeddedEngine:
         num_threads: int | None = 1,
         batch_groups: bool = True,
         weight_version: int = 0,
+        gather_s: float = 0.005,
     ) -> None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,8 +94,12 @@ class EmbeddedEngine:
         self.weight_version = int(weight_version)
         self.incarnation = uuid.uuid4().hex
         self.groups_served = 0
-        self._lock = threading.Lock()
-        self._running = threading.Condition()
+        self.rounds = 0
+        self.gather_s = float(gather_s)
+        self._lock = threading.Lock()  # the weights: held by a round, or a refit swap
+        self._cv = threading.Condition()  # queue, tickets, leader, pause, busy
+        self._queue: list[_Ticket] = []
+        self._leading = False
         self._busy = 0
         self._unpaused = threading.Event()
         self._unpaused.set()
@@ -79,79 +110,121 @@ class EmbeddedEngine:
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
-        """Generate every group; one output per request, in order. Groups whose prompts
-        have the same length are decoded together as one batch (``batch_groups``)."""
+        """Generate every group; one output per request, in order. Returns when all of
+        them are done; groups of other calls waiting at the same time share the batch."""
         check_requests(requests)
-        by_length: dict[int, list[GroupRequest]] = {}
-        for req in requests:
-            key = len(req.prompt_ids) if self.batch_groups else -req.prompt_index - 1
-            by_length.setdefault(key, []).append(req)
-        done: dict[int, GroupOutput] = {}
-        for batch in by_length.values():
-            for out in self._generate_batch(batch):
-                done[out.prompt_index] = out
-        return [done[req.prompt_index] for req in requests]
-
-    def _generate_batch(self, batch: Sequence[GroupRequest]) -> list[GroupOutput]:
+        tickets = [
+            _Ticket(request=r, samples=[None] * r.params.n, left=r.params.n) for r in requests
+        ]
+        with self._cv:
+            self._queue.extend(tickets)
+            self._cv.notify_all()
         while True:
-            self._unpaused.wait()
-            with self._running:
-                if self._unpaused.is_set():
-                    self._busy += 1
+            with self._cv:
+                while not all(t.done for t in tickets) and (
+                    self._leading or not self._unpaused.is_set() or not self._queue
+                ):
+                    self._cv.wait()
+                if all(t.done for t in tickets):
                     break
-        try:
-            with self._lock:
-                if self._released:
-                    raise RuntimeError(
-                        f"engine {self.engine_id}: generate() while memory is released; "
-                        "call resume_memory() first"
-                    )
-                version = self.weight_version
-                prompts: list[tuple[int, ...]] = []
-                params: list[SamplingParams] = []
-                seeds: list[int] = []
-                for req in batch:
-                    for j in range(req.params.n):
-                        prompts.append(req.prompt_ids)
-                        params.append(req.params)
-                        seeds.append(
-                            sample_seed(
-                                run_seed=self.run_seed,
-                                prompt_index=req.prompt_index,
-                                sample_index=j,
-                                weight_version=version,
-                            )
+                # nobody decodes and groups wait: this call runs the next round, after
+                # a short window in which calls sent together can still join it
+                self._leading = True
+                deadline = time.monotonic() + self.gather_s
+                while (rest := deadline - time.monotonic()) > 0:
+                    self._cv.wait(timeout=rest)
+                round_ = self._take_round()
+                self.rounds += 1
+                self._busy += len(round_)
+            try:
+                self._run_round(round_)
+            except BaseException as exc:
+                for t in round_:
+                    if not t.done:
+                        t.error = exc
+            finally:
+                with self._cv:
+                    for t in round_:
+                        t.done = True
+                    self._leading = False
+                    self._busy -= len(round_)
+                    self._cv.notify_all()
+        for t in tickets:
+            if t.error is not None:
+                raise t.error
+        return [t.output for t in tickets if t.output is not None]
+
+    def _take_round(self) -> list[_Ticket]:
+        """The waiting groups with the oldest one's prompt length (one if not batching)."""
+        first = self._queue[0]
+        if not self.batch_groups:
+            return [self._queue.pop(0)]
+        length = len(first.request.prompt_ids)
+        round_ = [t for t in self._queue if len(t.request.prompt_ids) == length]
+        self._queue = [t for t in self._queue if len(t.request.prompt_ids) != length]
+        return round_
+
+    def _run_round(self, round_: Sequence[_Ticket]) -> None:
+        with self._lock:
+            if self._released:
+                raise RuntimeError(
+                    f"engine {self.engine_id}: generate() while memory is released; "
+                    "call resume_memory() first"
+                )
+            version = self.weight_version
+            prompts: list[tuple[int, ...]] = []
+            params: list[SamplingParams] = []
+            seeds: list[int] = []
+            owner: list[tuple[_Ticket, int]] = []
+            for t in round_:
+                req = t.request
+                for j in range(req.params.n):
+                    prompts.append(req.prompt_ids)
+                    params.append(req.params)
+                    seeds.append(
+                        sample_seed(
+                            run_seed=self.run_seed,
+                            prompt_index=req.prompt_index,
+                            sample_index=j,
+                            weight_version=version,
                         )
-                samples = generate_rows(
-                    self.model,
-                    prompts,
-                    params=params,
-                    seeds=seeds,
-                    device=self.device,
-                    between_steps=self._between_steps if self._slow_step_s > 0 else None,
-                )
-                self.groups_served += len(batch)
-        finally:
-            with self._running:
-                self._busy -= 1
-                self._running.notify_all()
-        outputs: list[GroupOutput] = []
-        k = 0
-        for req in batch:
-            outputs.append(
-                GroupOutput(
-                    prompt_index=req.prompt_index,
-                    prompt_ids=tuple(req.prompt_ids),
-                    samples=tuple(samples[k : k + req.params.n]),
-                    weight_version=version,
-                    engine_id=self.engine_id,
-                )
+                    )
+                    owner.append((t, j))
+
+            def finished(row: int, sample: SampleOutput) -> None:
+                ticket, j = owner[row]
+                ticket.samples[j] = sample
+                ticket.left -= 1
+                if ticket.left == 0:  # the group is complete: its call returns now
+                    req = ticket.request
+                    ticket.output = GroupOutput(
+                        prompt_index=req.prompt_index,
+                        prompt_ids=tuple(req.prompt_ids),
+                        samples=tuple(s for s in ticket.samples if s is not None),
+                        weight_version=version,
+                        engine_id=self.engine_id,
+                    )
+                    with self._cv:
+                        ticket.done = True
+                        self.groups_served += 1
+                        self._cv.notify_all()
+
+            generate_rows(
+                self.model,
+                prompts,
+                params=params,
+                seeds=seeds,
+                device=self.device,
+                between_steps=self._between_steps if self._slow_step_s > 0 else None,
+                on_finish=finished,
             )
-            k += req.params.n
-        return outputs
 
     def _between_steps(self) -> None:
         time.sleep(self._slow_step_s)
+
+    def set_gather_window(self, seconds: float) -> None:
+        """How long a new round waits for more calls to join it (default 5 ms)."""
+        self.gather_s = float(seconds)
 
     def set_step_delay(self, seconds: float) -> None:
         """Testing aid: sleep this long between decode steps (0 disables)."""
@@ -159,14 +232,16 @@ class EmbeddedEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def pause_generation(self) -> None:
-        """Start no new group; return once the running one (if any) finished."""
-        with self._running:
+        """Start no new round; return once the running one (if any) finished."""
+        with self._cv:
             self._unpaused.clear()
             while self._busy > 0:
-                self._running.wait()
+                self._cv.wait()
 
     def continue_generation(self) -> None:
-        self._unpaused.set()
+        with self._cv:
+            self._unpaused.set()
+            self._cv.notify_all()
 
     def release_memory(self) -> None:
         """Move the weights off the device (a host copy); idempotent. On CPU the copy is
@@ -202,7 +277,12 @@ class EmbeddedEngine:
             paused=not self._unpaused.is_set(),
             memory_released=self._released,
             groups_served=self.groups_served,
-            extra={"pid": os.getpid(), "device": str(self.device), "busy": self._busy},
+            extra={
+                "pid": os.getpid(),
+                "device": str(self.device),
+                "busy": self._busy,
+                "rounds": self.rounds,
+            },
         )
 
     # -- weights ----------------------------------------------------------------------------
@@ -283,7 +363,7 @@ def launch_embedded_engines(
     num_gpus: float = 0,
     device: str = "cpu",
     max_restarts: int = -1,
-    max_concurrency: int = 8,
+    max_concurrency: int = 64,
     batch_groups: bool = True,
     name_prefix: str = "engine",
 ) -> list[Any]:

@@ -83,6 +83,7 @@ def generate_rows(
     seeds: Sequence[int],
     device: torch.device | str = "cpu",
     between_steps: Callable[[], None] | None = None,
+    on_finish: Callable[[int, SampleOutput], None] | None = None,
 ) -> list[SampleOutput]:
     """Sample one continuation per row with a Hugging Face causal LM and its KV cache.
 
@@ -92,7 +93,8 @@ def generate_rows(
     shrinks below 4 rows: torch's CPU GEMM rounds differently for fewer rows, and with
     that floor each row's arithmetic is bitwise independent of the other rows (tested),
     so a sample depends only on its prompt, its seed and the weights, not on which rows
-    shared its batch.
+    shared its batch. ``on_finish(row, sample)`` is called as each row finishes (while
+    the others go on decoding).
     """
     rows = len(prompts)
     if not (len(params) == len(seeds) == rows) or rows == 0:
@@ -133,6 +135,8 @@ def generate_rows(
                 reasons[r] = "length"
             if reasons[r] is not None:
                 slots[k] = -1
+                if on_finish is not None:
+                    on_finish(r, _sample(tokens[r], logprobs[r], reasons[r]))
         keep = [k for k, r in enumerate(slots) if r >= 0]
         if not keep:
             break
@@ -151,14 +155,13 @@ def generate_rows(
         )
         past = out.past_key_values
         logits = out.logits[:, -1, :].to("cpu")
-    return [
-        SampleOutput(
-            token_ids=tuple(tokens[r]),
-            logprobs=tuple(logprobs[r]),
-            finish_reason=reasons[r] or "length",
-        )
-        for r in range(rows)
-    ]
+    return [_sample(tokens[r], logprobs[r], reasons[r]) for r in range(rows)]
+
+
+def _sample(tokens: list[int], logprobs: list[float], reason: FinishReason | None) -> SampleOutput:
+    return SampleOutput(
+        token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=reason or "length"
+    )
 
 
 def generate_group(
