@@ -6,17 +6,18 @@ fraction of each step the training devices sat idle (the time the pump waited fo
 sampler to release a chunk, over the step time), then the mean seconds per phase. The
 first step of each mode is a warm-up and is not counted.
 
-Profiles (``--profile``):
+Profiles (``--profile``), each a list of overrides on the ``ppo-driver train`` defaults:
 
-* ``balanced`` (default): policy and critic with hidden 192, 3 layers. Policy work per
-  step (value, log-prob, backward) is about a third of generation, as in LLM PPO,
-  where training a step takes time of the same order as generating it.
-* ``tiny``: the ``ppo-driver train`` defaults (hidden 64, 2 layers). Generation is
-  about ten times the policy work, so there is little to overlap: streaming can hide
-  at most that small share, and on two shared CPU cores the overlapped work also
-  slows generation down.
+* ``tail`` (default): responses of up to 48 tokens. The untrained policy's lengths
+  spread from a few tokens to the limit, so a step's groups finish over a long tail
+  (the engine returns each group when its own samples are done).
+* ``tiny``: the defaults (responses of up to 12 tokens): generation is short and
+  mostly hidden behind the previous step's critic training, so there is little
+  left for streaming to overlap.
+* ``balanced``: larger models (hidden 192, 3 layers): training-bound on this machine
+  (critic training alone outlasts generation), the case where streaming cannot help.
 
-    uv run --frozen python bench/bench_driver.py [--profile balanced] [--steps 8] [overrides ...]
+    uv run --frozen python bench/bench_driver.py [--profile tail] [--steps 8] [overrides ...]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ PROFILES: dict[str, list[str]] = {
         )
     ],
     "tiny": [],
+    "tail": ["rollout.max_new_tokens=48"],
 }
 
 
@@ -56,7 +58,7 @@ def _run(mode: str, overrides: list[str], steps: int, root: Path) -> list[dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="balanced")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="tail")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()

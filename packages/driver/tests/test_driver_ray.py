@@ -3,9 +3,14 @@ models and the embedded engine: the document's claims observed in the driver's o
 logs, metrics and checkpoints.
 
 One cluster for the module; each test runs ``ppo_driver.run.train`` (fresh workers and
-engines, the cluster kept). Generation starts a step only after the previous update
-(``max_lookahead_versions=0``), so every run of the same config and seed generates the
-same samples and runs can be compared parameter by parameter.
+engines, the cluster kept). Generation starts a step only after the previous step's
+refit (``max_lookahead_versions=0``), so every run of the same config and seed
+generates the same samples and runs can be compared parameter by parameter.
+
+Responses of up to 24 tokens give the untrained policy a real tail (groups finish
+from a few tokens to the limit), and a decode delay (``rollout.decode_delay_s``)
+stands for a generation device slower than these tiny CPU trainers, so generation
+is still running when the previous step's critic training ends.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ BASE = [
     "ppo.adv_estimator.normalize_advantages=false",
     "async_rl.min_groups_for_streaming_train=2",
     "async_rl.sampler.max_lookahead_versions=0",
-    "rollout.max_new_tokens=8",
+    "rollout.max_new_tokens=24",
+    "rollout.decode_delay_s=0.02",
     "policy.hidden_size=32",
     "policy.intermediate_size=64",
     "policy.num_hidden_layers=1",

@@ -160,6 +160,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     num_engines: int = 1
+    # Seconds the embedded engine waits between decode steps: emulates a slower
+    # generation device on CPU (tests, what-if benchmarks); 0 in real runs.
+    decode_delay_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -487,6 +490,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     _check_positive(r, "async_rl.max_prompts_in_flight", arl.max_prompts_in_flight, allow_zero=True)
     _check_positive(r, "rollout.max_new_tokens", cfg.rollout.max_new_tokens)
     _check_positive(r, "rollout.num_engines", cfg.rollout.num_engines)
+    _check_positive(r, "rollout.decode_delay_s", cfg.rollout.decode_delay_s, allow_zero=True)
     _check_positive(r, "ppo.eps_clip", ppo.eps_clip)
     for key, val in (
         ("ppo.adv_estimator.gamma", ppo.adv_estimator.gamma),

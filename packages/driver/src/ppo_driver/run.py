@@ -261,6 +261,7 @@ def train(
         scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
         num_cpus=engine_slots[0].num_cpus,
         num_gpus=engine_slots[0].num_gpus,
+        step_delay_s=cfg.rollout.decode_delay_s,
     )
     actor.ready()
     critic.ready()

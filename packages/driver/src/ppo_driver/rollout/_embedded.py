@@ -68,6 +68,7 @@ class EmbeddedEngine:
             e.g. CPU); ``False``: one group per round.
         weight_version: the version of the initial weights.
         gather_s: how long a round waits for more calls to join before it starts.
+        step_delay_s: sleep this long between decode steps (emulates a slower device).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class EmbeddedEngine:
         batch_groups: bool = True,
         weight_version: int = 0,
         gather_s: float = 0.005,
+        step_delay_s: float = 0.0,
     ) -> None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +108,7 @@ class EmbeddedEngine:
         self._released = False
         self._host_copy: dict[str, torch.Tensor] | None = None
         self._groups: dict[str, RefitGroup] = {}
-        self._slow_step_s = 0.0
+        self._slow_step_s = float(step_delay_s)
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
@@ -366,6 +368,7 @@ def launch_embedded_engines(
     max_concurrency: int = 64,
     batch_groups: bool = True,
     name_prefix: str = "engine",
+    step_delay_s: float = 0.0,
 ) -> list[Any]:
     """Start ``count`` :class:`EmbeddedEngine` Ray actors.
 
@@ -402,6 +405,7 @@ def launch_embedded_engines(
                 engine_id=f"{name_prefix}-{i}",
                 device=device,
                 batch_groups=batch_groups,
+                step_delay_s=step_delay_s,
             )
         )
     return handles
