@@ -21,7 +21,7 @@ Profiles (``--profile``), each a list of overrides on the ``ppo-driver train`` d
 * ``tiny``: the defaults (responses of up to 12 tokens).
 * ``balanced``: the larger models on the real engine (training-bound).
 
-    uv run --frozen python bench/bench_driver.py [--profile separate] [--steps 8] [overrides ...]
+    uv run --frozen python bench/bench_driver.py [--profile separate] [--steps 8] [--rounds 2] [overrides ...]
 """
 
 from __future__ import annotations
@@ -69,6 +69,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="separate")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs per mode, interleaved (S F, then F S, ...) so that drifting machine "
+        "load hits both modes alike",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -76,21 +83,21 @@ def main() -> None:
 
     t0 = time.perf_counter()
     start_local_ray(num_gpus=2, num_cpus=4)
-    rows: dict[str, list[dict[str, Any]]] = {}
+    rows: dict[str, list[dict[str, Any]]] = {"streaming": [], "full-batch": []}
+    overrides = [*PROFILES[args.profile], *args.overrides]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("streaming", "full-batch"):
-            overrides = [*PROFILES[args.profile], *args.overrides]
-            rows[mode] = _run(mode, overrides, args.steps, Path(tmp))
+        for r in range(args.rounds):
+            order = ("streaming", "full-batch") if r % 2 == 0 else ("full-batch", "streaming")
+            for mode in order:
+                metrics = _run(mode, overrides, args.steps, Path(tmp) / f"round{r}")
+                rows[mode].extend(metrics[1:] or metrics)  # the first step warms up
     shutdown_local_ray()
 
     print()
-    print(
-        f"profile {args.profile}: {' '.join(PROFILES[args.profile] + list(args.overrides)) or 'defaults'}"
-    )
+    print(f"profile {args.profile}: {' '.join(overrides) or 'defaults'}")
     print(f"{'mode':<11} {'chunks/step':>11} {'step_s':>8} {'wait_s':>8} {'idle':>6} {'reward':>7}")
     summary: dict[str, float] = {}
-    for mode, metrics in rows.items():
-        timed = metrics[1:] or metrics
+    for mode, timed in rows.items():
         step_s = statistics.mean(r["perf/step_s"] for r in timed)
         wait_s = statistics.mean(r["perf/wait_s"] for r in timed)
         idle = statistics.mean(r["perf/wait_s"] / r["perf/step_s"] for r in timed)
@@ -103,13 +110,13 @@ def main() -> None:
     phases = ("wait", "switch", "value", "logprob", "backward", "update", "refit", "critic")
     print()
     print(f"{'mode':<11} " + " ".join(f"{p:>8}" for p in phases) + "   (mean s per step)")
-    for mode, metrics in rows.items():
-        timed = metrics[1:] or metrics
+    for mode, timed in rows.items():
         means = [statistics.mean(float(r.get(f"perf/{p}_s", 0.0)) for r in timed) for p in phases]
         print(f"{mode:<11} " + " ".join(f"{m:>8.3f}" for m in means))
     print(
         f"step time full-batch / streaming: {summary['full-batch'] / summary['streaming']:.2f}x "
-        f"(steps {2}..{args.steps} of each mode; total bench {time.perf_counter() - t0:.0f} s)"
+        f"(steps 2..{args.steps} of {args.rounds} run(s) per mode; "
+        f"total bench {time.perf_counter() - t0:.0f} s)"
     )
 
 

@@ -174,3 +174,35 @@ def test_fused_chunk_plan_moves_each_switch_into_the_neighbouring_model_call() -
     assert log == []
     # a plan whose shape cannot be fused (the first role again after the other) is refused
     assert res.split([*follow, *lead], after=Role.CRITIC) is None
+
+
+class _EchoWorker:
+    def __init__(self, config: Any, *, rank: int, world_size: int, dist_init_method: Any) -> None:
+        self.rank = rank
+
+    def double(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def add(self, a: torch.Tensor, *, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def test_fused_call_runs_ops_in_order_and_recalls_earlier_results() -> None:
+    """``_Host.run``: one round trip for several worker calls; ``Recall`` hands an op
+    what an earlier call on the same rank returned, without the driver."""
+    from ppo_driver.workers import Recall, _Host
+
+    threads = torch.get_num_threads()
+    try:
+        host = _Host(_EchoWorker, None, 0, 1, None)
+    finally:
+        torch.set_num_threads(threads)
+    x = torch.arange(3.0)
+    out = host.run([("double", (x,), {}), ("add", (x,), {"b": Recall("double")})])
+    assert [r.tolist() for r, _, _ in out] == [[0.0, 2.0, 4.0], [0.0, 3.0, 6.0]]
+    assert all(t0 <= t1 for _, t0, t1 in out)
+    # a later call still recalls the latest result
+    (again,) = host.run([("add", (Recall("add"),), {"b": x})])
+    assert again[0].tolist() == [0.0, 4.0, 8.0]
+    with pytest.raises(ValueError, match="no result of missing"):
+        host.run([("add", (x,), {"b": Recall("missing")})])

@@ -524,16 +524,18 @@ class TrainPump:
         1. critic: value forward with the UNCHANGED critic (old values, kept for every
            critic epoch), then it sleeps;  actor (ordered after it): wake, log-prob
            (+ reference) forward;  meanwhile the driver computes GAE;
-        2. actor: backward scaled by the WHOLE step's count (no optimizer step), then
-           sleeps keeping its gradients;  critic (ordered after it): wakes, so the value
-           model is ready before the wait for the next chunk.
+        2. actor (queued behind its log-prob call, whose results it reads on the worker:
+           no driver round trip in between): backward scaled by the WHOLE step's count
+           (no optimizer step), then sleeps keeping its gradients;  critic (ordered
+           after it): wakes, so the value model is ready before the wait for the next
+           chunk.
 
         Fills ``old_values``, ``advantages``, ``returns`` (and ``old_logprobs``,
         ``ref_logprobs``) in ``batch``; returns the backward's metrics (or ``None``).
         """
         from ppo_lifecycle import Phase, Role
 
-        from ppo_driver.workers import Op
+        from ppo_driver.workers import Op, Recall
 
         ppo = self.cfg.ppo
         res = self.residency
@@ -574,31 +576,31 @@ class TrainPump:
         batch["advantages"], batch["returns"] = advantages, returns
         if not policy:
             return None
-        outs = self._collect(self.actor, actor_refs, actor_ops, step)
-        batch["old_logprobs"] = outs[-2] if ppo.kl_loss_coef > 0 else outs[-1]
-        if ppo.kl_loss_coef > 0:
-            batch["ref_logprobs"] = outs[-1]
-        if not backward:
-            return None
-        res.execute(res.plan(Phase.POLICY_BACKWARD), step=step)  # normally nothing
-        kwargs: dict[str, Any] = {
-            "old_logprobs": batch["old_logprobs"],
-            "advantages": batch["advantages"],
-            "loss_denominator": denominator,
-        }
-        if "ref_logprobs" in batch:
-            kwargs["ref_logprobs"] = batch["ref_logprobs"]
-        back_ops = [Op("backward", (inputs,), kwargs, label="policy backward", phase="backward")]
+        back_ops: list[Op] = []
         critic_after: list[Op] = []
-        if more_chunks:  # prepare the value model before waiting for the next chunk
-            to_critic = res.plan(Phase.WAIT, Phase.VALUE_FORWARD)
-            fused = res.split(to_critic, after=Role.ACTOR)
-            if fused is None:
-                res.execute(to_critic, step=step)
-                fused = ([], [])
-            back_ops += res.as_ops(fused[0])
-            critic_after = res.as_ops(fused[1])
-        back_refs = self.actor.submit(back_ops, rows=rows)
+        if backward:
+            # queued behind the log-prob call on every rank: it reads the log-probs that
+            # call leaves on the worker, so the driver does not wait for them first
+            res.execute(res.plan(Phase.POLICY_BACKWARD), step=step)  # normally nothing
+            kwargs: dict[str, Any] = {
+                "old_logprobs": Recall("compute_logprobs"),
+                "advantages": batch["advantages"],
+                "loss_denominator": denominator,
+            }
+            if ppo.kl_loss_coef > 0:
+                kwargs["ref_logprobs"] = Recall("compute_ref_logprobs")
+            back_ops = [
+                Op("backward", (inputs,), kwargs, label="policy backward", phase="backward")
+            ]
+            if more_chunks:  # prepare the value model before waiting for the next chunk
+                to_critic = res.plan(Phase.WAIT, Phase.VALUE_FORWARD)
+                fused = res.split(to_critic, after=Role.ACTOR)
+                if fused is None:
+                    res.execute(to_critic, step=step)
+                    fused = ([], [])
+                back_ops += res.as_ops(fused[0])
+                critic_after = res.as_ops(fused[1])
+        back_refs = self.actor.submit(back_ops, rows=rows) if back_ops else []
         if critic_after:  # not awaited here: it runs while the pump waits for a chunk
             self._pending = (
                 self.critic,
@@ -606,6 +608,12 @@ class TrainPump:
                 critic_after,
                 step,
             )
+        outs = self._collect(self.actor, actor_refs, actor_ops, step)
+        batch["old_logprobs"] = outs[-2] if ppo.kl_loss_coef > 0 else outs[-1]
+        if ppo.kl_loss_coef > 0:
+            batch["ref_logprobs"] = outs[-1]
+        if not back_ops:
+            return None
         per_rank = self.actor.results(back_refs)
         self._trace_ops(per_rank, back_ops, step)
         return _sum_dicts([rank[0][0] for rank in per_rank])

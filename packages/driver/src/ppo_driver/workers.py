@@ -18,7 +18,7 @@ from typing import Any
 import ray
 import torch
 
-__all__ = ["Op", "TrainGroup", "free_port", "shard_rows"]
+__all__ = ["Op", "Recall", "TrainGroup", "free_port", "shard_rows"]
 
 _WORKER_ENV = {
     # One compute thread per worker process: actor, critic and engines share few cores.
@@ -59,6 +59,15 @@ def _slice_tree(value: Any, rows: slice) -> Any:
 
 
 @dataclass(frozen=True)
+class Recall:
+    """An argument that stands for this rank's latest result of ``method``, kept on the
+    worker: an op can use what an earlier call computed without a driver round trip
+    (each rank gets its own rows, as sharded)."""
+
+    method: str
+
+
+@dataclass(frozen=True)
 class Op:
     """One worker method call inside a fused call (:meth:`TrainGroup.submit`).
 
@@ -80,6 +89,17 @@ class _Host:
     ) -> None:
         torch.set_num_threads(1)
         self.worker = worker_cls(config, rank=rank, world_size=world_size, dist_init_method=init)
+        self._recent: dict[str, Any] = {}
+
+    def _recall(self, value: Any) -> Any:
+        if not isinstance(value, Recall):
+            return value
+        if value.method not in self._recent:
+            raise ValueError(
+                f"Recall({value.method!r}): this rank has no result of {value.method} yet; "
+                "run that call first (in this or an earlier call)"
+            )
+        return self._recent[value.method]
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -91,7 +111,11 @@ class _Host:
         out = []
         for method, args, kwargs in ops:
             t0 = time.time()
-            result = getattr(self.worker, method)(*args, **kwargs)
+            result = getattr(self.worker, method)(
+                *[self._recall(a) for a in args],
+                **{k: self._recall(v) for k, v in kwargs.items()},
+            )
+            self._recent[method] = result
             out.append((result, t0, time.time()))
         return out
 
