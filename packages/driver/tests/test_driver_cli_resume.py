@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from driver_testlib import TINY_RUN
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(2400)
@@ -42,30 +43,7 @@ SUBPROCESS_TIMEOUT_S = 600
 # movement (lr 2e-3 and 3e-3); 1e-5 leaves room for float summation-order noise only.
 ATOL = 1e-5
 
-OVERRIDES = [
-    f"run.num_steps={NUM_STEPS}",
-    "run.checkpoint_every=1",
-    "run.keep_checkpoints=5",
-    "ppo.num_prompts_per_step=8",
-    "ppo.num_generations_per_prompt=2",
-    "ppo.critic_mini_batch_size=8",
-    # per-chunk whitening would make the result depend on where chunk boundaries fall
-    # (arrival timing), which differs between any two runs; without it it does not
-    "ppo.adv_estimator.normalize_advantages=false",
-    "async_rl.min_groups_for_streaming_train=2",  # streaming: several chunks per step
-    "async_rl.sampler.max_lookahead_versions=0",
-    "rollout.max_new_tokens=8",
-    "policy.hidden_size=32",
-    "policy.intermediate_size=64",
-    "policy.num_hidden_layers=1",
-    "policy.num_attention_heads=2",
-    "policy.num_key_value_heads=1",
-    "critic.hidden_size=32",
-    "critic.intermediate_size=64",
-    "critic.num_hidden_layers=1",
-    "critic.num_attention_heads=2",
-    "critic.num_key_value_heads=1",
-]
+OVERRIDES = [f"run.num_steps={NUM_STEPS}", *TINY_RUN, "rollout.max_new_tokens=8"]
 
 
 def _train(run_dir: Path, *, resume: bool = False, fail_at: str | None = None) -> int:

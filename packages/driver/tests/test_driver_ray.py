@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from driver_testlib import TINY_RUN
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.pump import InjectedFailure
 from ppo_driver.run import train
@@ -32,31 +33,14 @@ pytestmark = pytest.mark.timeout(1800)
 
 BASE = [
     "run.num_steps=3",
-    "run.checkpoint_every=1",
-    "run.keep_checkpoints=5",
     "run.progress=false",
-    "ppo.num_prompts_per_step=8",
-    "ppo.num_generations_per_prompt=2",
-    "ppo.critic_mini_batch_size=8",
-    "ppo.adv_estimator.normalize_advantages=false",
-    "async_rl.min_groups_for_streaming_train=2",
-    "async_rl.sampler.max_lookahead_versions=0",
+    *TINY_RUN,
     "rollout.max_new_tokens=24",
     "rollout.decode_delay_s=0.02",
-    "policy.hidden_size=32",
-    "policy.intermediate_size=64",
-    "policy.num_hidden_layers=1",
-    "policy.num_attention_heads=2",
-    "policy.num_key_value_heads=1",
-    "critic.hidden_size=32",
-    "critic.intermediate_size=64",
-    "critic.num_hidden_layers=1",
-    "critic.num_attention_heads=2",
-    "critic.num_key_value_heads=1",
 ]
 # Float tolerance between runs whose chunks differ (sums of per-chunk gradients vs one
-# full-batch gradient, same samples): one Adam step of lr 1e-3 moves a weight by ~1e-3,
-# summation-order noise moves it by far less than 1e-5.
+# full-batch gradient, same samples): one Adam step (lr 2e-3 policy, 3e-3 critic) moves
+# a weight by ~1e-3, summation-order noise moves it by far less than 1e-5.
 ATOL = 1e-5
 
 CHUNK_RE = re.compile(r"train_pump: step (\d+) chunk (\d+): (\d+) groups, (\d+) samples")

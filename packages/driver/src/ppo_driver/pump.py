@@ -186,7 +186,7 @@ class _Residency:
         """The transitions the lifecycle plan puts before ``phases`` (only the first
         phase's work follows; later phases only say what a WAIT prepares for), taken as
         done: the caller executes them (:meth:`execute`, or fused into worker calls)."""
-        from ppo_lifecycle import Action, Phase, Transition, Work, plan_transitions
+        from ppo_lifecycle import Phase, Transition, Work, plan_transitions
 
         plan = plan_transitions(
             list(phases),
@@ -200,14 +200,20 @@ class _Residency:
                 break
             assert isinstance(item, Transition)
             out.append(item)
-            if item.action is Action.WAKE_UP:
-                self.resident = item.role
-                self.switches += 1
+            self._taken(item)
         if phases[0] is Phase.POLICY_BACKWARD:
             self.pending_gradients = True
         elif phases[0] is Phase.POLICY_UPDATE:
             self.pending_gradients = False
         return out
+
+    def _taken(self, item: Any) -> None:
+        """Account for a transition as done (a wake-up makes its role resident)."""
+        from ppo_lifecycle import Action
+
+        if item.action is Action.WAKE_UP:
+            self.resident = item.role
+            self.switches += 1
 
     def execute(self, transitions: Sequence[Any], *, step: int) -> None:
         """Run planned transitions one Ray call each, in order, each traced."""
@@ -238,6 +244,17 @@ class _Residency:
             for t in transitions
         ]
 
+    def fused(self, *phases: Any, after: Any, step: int) -> tuple[list[Any], list[Any]]:
+        """Plan the transitions before ``phases`` as worker ops to fuse: (those joining
+        the call of ``after``, those leading the other role's next call). A plan of
+        another shape is executed on its own here, one call each, and gives no ops."""
+        transitions = self.plan(*phases)
+        parts = self.split(transitions, after=after)
+        if parts is None:
+            self.execute(transitions, step=step)
+            return [], []
+        return self.as_ops(parts[0]), self.as_ops(parts[1])
+
     def split(
         self, transitions: Sequence[Any], *, after: Any
     ) -> tuple[list[Any], list[Any]] | None:
@@ -255,7 +272,7 @@ class _Residency:
     def save_both(self, save: Callable[[str], object], *, step: int) -> None:
         """Checkpoint both models in the plan's order (resident one first), ending with
         the critic resident. Refused by the plan inside an update."""
-        from ppo_lifecycle import Action, Phase, Role, Transition, Work, plan_transitions
+        from ppo_lifecycle import Phase, Role, Transition, Work, plan_transitions
 
         plan = plan_transitions(
             [Phase.CHECKPOINT_SAVE],
@@ -269,13 +286,8 @@ class _Residency:
                 save(str(item.role))
                 continue
             assert isinstance(item, Transition)
-            with self.trace.span(f"{item}", phase="switch", step=step):
-                if item.action is Action.SLEEP:
-                    self.groups[item.role].call("sleep", parts=item.parts)
-                else:
-                    self.groups[item.role].call("wake_up")
-                    self.resident = item.role
-                    self.switches += 1
+            self.execute([item], step=step)
+            self._taken(item)
 
 
 # ------------------------------------------------------------------- the pump
@@ -546,14 +558,12 @@ class TrainPump:
         critic_ops = [Op("compute_values", (inputs,), label="value forward", phase="value")]
         actor_ops: list[Op] = []
         if policy:
-            to_actor = res.plan(Phase.POLICY_FORWARD)
-            fused = res.split(to_actor, after=Role.CRITIC)
-            if fused is None:
-                res.execute(to_actor, step=step)
-                fused = ([], [])
-            critic_ops += res.as_ops(fused[0])
+            critic_leaves, actor_arrives = res.fused(
+                Phase.POLICY_FORWARD, after=Role.CRITIC, step=step
+            )
+            critic_ops += critic_leaves
             actor_ops = [
-                *res.as_ops(fused[1]),
+                *actor_arrives,
                 Op("compute_logprobs", (inputs,), label="logprob forward", phase="logprob"),
             ]
             if ppo.kl_loss_coef > 0:
@@ -593,13 +603,10 @@ class TrainPump:
                 Op("backward", (inputs,), kwargs, label="policy backward", phase="backward")
             ]
             if more_chunks:  # prepare the value model before waiting for the next chunk
-                to_critic = res.plan(Phase.WAIT, Phase.VALUE_FORWARD)
-                fused = res.split(to_critic, after=Role.ACTOR)
-                if fused is None:
-                    res.execute(to_critic, step=step)
-                    fused = ([], [])
-                back_ops += res.as_ops(fused[0])
-                critic_after = res.as_ops(fused[1])
+                actor_leaves, critic_after = res.fused(
+                    Phase.WAIT, Phase.VALUE_FORWARD, after=Role.ACTOR, step=step
+                )
+                back_ops += actor_leaves
         back_refs = self.actor.submit(back_ops, rows=rows) if back_ops else []
         if critic_after:  # not awaited here: it runs while the pump waits for a chunk
             self._pending = (

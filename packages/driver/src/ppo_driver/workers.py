@@ -167,14 +167,11 @@ class TrainGroup:
     def call_sharded(
         self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any
     ) -> list[Any]:
-        """Shard ``batch`` and every tensor (or dict of tensors) in ``per_sample`` by rows."""
+        """Shard ``batch`` and every tensor (or dict of tensors) in ``per_sample`` by rows;
+        one call per rank, results in rank order."""
         rows = int(next(iter(batch.values())).shape[0])
-        shards = shard_rows(rows, self.world_size)
-        refs = []
-        for handle, rows_r in zip(self.handles, shards, strict=True):
-            kw = {k: _slice_tree(v, rows_r) for k, v in per_sample.items()}
-            refs.append(handle.call.remote(method, (_slice_tree(batch, rows_r),), kw))
-        return list(ray.get(refs))
+        per_rank = self.results(self.submit([Op(method, (batch,), per_sample)], rows=rows))
+        return [ops[0][0] for ops in per_rank]
 
     def submit(
         self, ops: Sequence[Op], *, rows: int | None = None, after: Sequence[Any] = ()
@@ -182,7 +179,7 @@ class TrainGroup:
         """Start ``ops`` on every rank as ONE Ray call each; returns the refs (rank order).
 
         ``rows``: shard every tensor in the ops' arguments by rows (``[B, ...]`` with
-        ``B == rows``) as :meth:`call_sharded` does. ``after``: refs of another group's
+        ``B == rows``), contiguous equal ranges per rank. ``after``: refs of another group's
         call (one per rank, or any number) that must finish before these ops start:
         rank ``r`` waits for ``after[r]`` when the counts match, else for all of them.
         """
@@ -205,12 +202,6 @@ class TrainGroup:
     def results(refs: Sequence[Any]) -> list[list[tuple[Any, float, float]]]:
         """Wait for :meth:`submit` refs: per rank, ``(result, t0, t1)`` for each op."""
         return list(ray.get(list(refs)))
-
-    def gather_rows(
-        self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any
-    ) -> torch.Tensor:
-        """A sharded call whose per-rank results are ``[B_r, T]`` tensors, concatenated."""
-        return torch.cat(self.call_sharded(method, batch, **per_sample), dim=0)
 
     def is_asleep(self) -> bool:
         return bool(ray.get(self.handles[0].attr.remote("is_asleep")))

@@ -46,7 +46,6 @@ class _Ticket:
 
     request: GroupRequest
     samples: list[SampleOutput | None] = field(default_factory=list)
-    left: int = 0
     output: GroupOutput | None = None
     error: BaseException | None = None
     done: bool = False
@@ -115,9 +114,7 @@ class EmbeddedEngine:
         """Generate every group; one output per request, in order. Returns when all of
         them are done; groups of other calls waiting at the same time share the batch."""
         check_requests(requests)
-        tickets = [
-            _Ticket(request=r, samples=[None] * r.params.n, left=r.params.n) for r in requests
-        ]
+        tickets = [_Ticket(request=r, samples=[None] * r.params.n) for r in requests]
         with self._cv:
             self._queue.extend(tickets)
             self._cv.notify_all()
@@ -196,13 +193,13 @@ class EmbeddedEngine:
             def finished(row: int, sample: SampleOutput) -> None:
                 ticket, j = owner[row]
                 ticket.samples[j] = sample
-                ticket.left -= 1
-                if ticket.left == 0:  # the group is complete: its call returns now
+                done = [s for s in ticket.samples if s is not None]
+                if len(done) == len(ticket.samples):  # the group is complete: its call returns now
                     req = ticket.request
                     ticket.output = GroupOutput(
                         prompt_index=req.prompt_index,
                         prompt_ids=tuple(req.prompt_ids),
-                        samples=tuple(s for s in ticket.samples if s is not None),
+                        samples=tuple(done),
                         weight_version=version,
                         engine_id=self.engine_id,
                     )
