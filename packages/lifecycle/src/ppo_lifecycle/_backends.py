@@ -259,9 +259,10 @@ class TorchMemorySaverBackend:
     ``torch.cuda.use_mem_pool`` plus a thread-local switch). ``backward()`` runs the
     CUDA part of autograd on its own thread, so gradients it creates inside a
     region are *not* in it: create them there yourself (``p.grad =
-    torch.zeros_like(p)``; backward then accumulates in place). At each sleep the
-    adopted storages are checked against the allocator's private pools and any that
-    are not in one are moved like the others (logged).
+    torch.zeros_like(p)``; backward then accumulates in place). The first sleep that
+    finds an adopted storage checks it against the allocator's private pools (one
+    snapshot, not one per sleep); one that is not in a pool is moved like the
+    others (logged).
 
     ``torch_memory_saver`` ends the process when asked to pause an allocation that
     is already paused, so two live backends may not share a ``name``, and nothing
@@ -326,6 +327,9 @@ class TorchMemorySaverBackend:
         self.prefix = name
         self.cpu_backup_parts = cpu_backup_parts
         self._adopted: dict[Part, set[int]] = {part: set() for part in Part}
+        # adopted on the caller's word, not yet checked against the allocator's pools
+        # (once checked, a storage keeps its address: later sleeps skip the snapshot)
+        self._unchecked: dict[Part, set[int]] = {part: set() for part in Part}
         self._paused: dict[Part, list[tuple[int, int]]] = {}
         self._live[name] = self
 
@@ -342,18 +346,22 @@ class TorchMemorySaverBackend:
             yield
 
     def adopt(self, part: Part, keys: set[int]) -> None:
-        """Record storage keys allocated inside ``part``'s region (checked at each sleep)."""
+        """Record storage keys allocated inside ``part``'s region (checked at the first
+        sleep that finds them)."""
         self._adopted[part].update(keys)
+        self._unchecked[part].update(keys)
 
     def adopt_tensors(self, part: Part, tensors: Iterable[torch.Tensor]) -> None:
         """Record that ``tensors`` were allocated inside ``part``'s :meth:`region`."""
         self.adopt(part, {t.untyped_storage()._cdata for t in tensors})
 
     def _outside_regions(self, part: Part, groups: Sequence[StorageGroup]) -> set[int]:
-        """Keys of adopted storages in ``groups`` that lie in no private pool."""
-        adopted = [g for g in groups if g.key in self._adopted[part] and g.nbytes > 0]
+        """Keys of adopted, not yet checked storages in ``groups`` that lie in no private
+        pool; the others of them are marked checked."""
+        adopted = [g for g in groups if g.key in self._unchecked[part] and g.nbytes > 0]
         if not adopted:
             return set()
+        self._unchecked[part] -= {g.key for g in adopted}
         ranges = _private_pool_ranges(self.device)
         if ranges is None:
             return set()
