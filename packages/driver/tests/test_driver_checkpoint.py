@@ -1,4 +1,5 @@
-"""Checkpoint atomicity, RNG round trip, metrics truncation on resume, trace and plot files."""
+"""Checkpoint atomicity and integrity (manifest), RNG round trip, metrics truncation on
+resume, trace and plot files."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 from ppo_driver.checkpoint import (
+    MANIFEST,
+    CheckpointDamaged,
     find_latest,
     load_checkpoint,
     restore_rng,
     rng_state,
     save_checkpoint,
+    verify_checkpoint,
 )
 from ppo_driver.cli import main
 from ppo_driver.metrics import MetricsWriter, plot_rewards, read_metrics
 from ppo_driver.trace import TraceRecorder
+from safetensors.torch import save_file
 
 
 def _models(tmp: Path) -> None:
@@ -120,3 +125,85 @@ def test_cli_help_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "--resume" in out and "--config" in out
+
+
+def _worker_files(tmp: Path) -> None:
+    """A worker's files as ppo_trainer writes them: state.json + state.safetensors."""
+    rank = tmp / "actor" / "rank00000"
+    rank.mkdir(parents=True)
+    (rank / "state.json").write_text('{"format": 1}')
+    save_file({"w": torch.arange(6.0)}, str(rank / "state.safetensors"))
+
+
+def test_manifest_is_written_last_and_verify_names_the_damaged_file(tmp_path: Path) -> None:
+    """Issue 11: damage (truncation, garbage) is found before anything reads the files."""
+    seen: list[list[str]] = []
+
+    def watch(point: str) -> None:
+        if point == "before_rename":
+            seen.append(sorted(p.name for p in (tmp_path / "step_000001.partial").iterdir()))
+
+    ckpt = save_checkpoint(
+        tmp_path,
+        1,
+        state={"a": 1},
+        tensors={"x": torch.arange(4.0)},
+        write_models=_worker_files,
+        crash_hook=watch,
+    )
+    assert seen == [["actor", "driver.json", MANIFEST, "tensors.safetensors"]]
+    listed = json.loads((ckpt / MANIFEST).read_text())["files"]
+    assert set(listed) == {
+        "actor/rank00000/state.json",
+        "actor/rank00000/state.safetensors",
+        "driver.json",
+        "tensors.safetensors",
+    }
+    assert verify_checkpoint(ckpt) is True
+
+    weights = ckpt / "actor" / "rank00000" / "state.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-3])  # truncated
+    with pytest.raises(CheckpointDamaged, match="the manifest says") as info:
+        verify_checkpoint(ckpt)
+    assert info.value.file == weights
+    weights.write_bytes(intact[:-3] + b"abc")  # same size, other bytes
+    with pytest.raises(CheckpointDamaged, match=r"contents differ from the manifest \(sha256\)"):
+        verify_checkpoint(ckpt)
+    weights.write_bytes(intact)
+    (ckpt / "driver.json").write_text("garbage")
+    with pytest.raises(CheckpointDamaged) as info:
+        load_checkpoint(ckpt)  # a loader error names the file too
+    assert info.value.file == ckpt / "driver.json" and "not readable JSON" in str(info.value)
+
+
+def test_checkpoint_without_manifest_gets_a_structural_check(tmp_path: Path) -> None:
+    """Checkpoints written before manifests existed are accepted (verify returns False)
+    after a structural check that still catches truncation and garbage JSON."""
+    ckpt = save_checkpoint(
+        tmp_path, 1, state={}, tensors={"x": torch.arange(4.0)}, write_models=_worker_files
+    )
+    (ckpt / MANIFEST).unlink()
+    assert verify_checkpoint(ckpt) is False
+    weights = ckpt / "actor" / "rank00000" / "state.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])
+    with pytest.raises(CheckpointDamaged, match="its header describes") as info:
+        verify_checkpoint(ckpt)
+    assert info.value.file == weights
+    weights.unlink()
+    (ckpt / "actor" / "rank00000" / "state.json").write_text("{")
+    with pytest.raises(CheckpointDamaged, match="not readable JSON"):
+        verify_checkpoint(ckpt)
+
+
+def test_moved_aside_checkpoint_is_ignored(tmp_path: Path) -> None:
+    """The documented way past a damaged checkpoint: move it aside (or delete it); a
+    renamed directory such as ``step_000002.damaged`` is neither chosen nor pruned."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, state={}, tensors={}, write_models=_models, keep=5)
+    (tmp_path / "step_000002").rename(tmp_path / "step_000002.damaged")
+    assert find_latest(tmp_path) == tmp_path / "step_000001"  # `latest` names a missing one
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")  # even an unreadable pointer
+    assert find_latest(tmp_path) == tmp_path / "step_000001"
+    save_checkpoint(tmp_path, 2, state={}, tensors={}, write_models=_models, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000002.damaged"]

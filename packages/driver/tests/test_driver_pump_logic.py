@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from ppo_driver.pump import ChunkGate, _Residency, assemble_full_batch
+from ppo_driver.pump import (
+    ChunkGate,
+    NonFiniteError,
+    _Residency,
+    _sum_dicts,
+    assemble_full_batch,
+    check_finite_metrics,
+)
 from ppo_driver.trace import TraceRecorder
 from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase, Role
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
@@ -206,3 +213,15 @@ def test_fused_call_runs_ops_in_order_and_recalls_earlier_results() -> None:
     assert again[0].tolist() == [0.0, 4.0, 8.0]
     with pytest.raises(ValueError, match="no result of missing"):
         host.run([("add", (x,), {"b": Recall("missing")})])
+
+
+def test_metric_reducer_keeps_non_finite_values_and_the_step_refuses_them() -> None:
+    """Issue 11: the reducer used to drop a non-finite value, so ``loss/value`` silently
+    vanished from metrics.jsonl; now it is kept and the step is refused, naming it."""
+    summed = _sum_dicts([{"loss/value": 1.0, "n": 1.0}, {"loss/value": float("inf"), "n": 2.0}])
+    assert summed == {"loss/value": float("inf"), "n": 3.0}
+    check_finite_metrics(4, {"step": 4, "loss/pg": 0.5, "train/chunk_groups": [2, 2]})
+    with pytest.raises(NonFiniteError, match=r"^step 4: non-finite metric\(s\): ") as info:
+        check_finite_metrics(4, {"step": 4, **summed, "critic/grad_norm": float("nan")})
+    assert "critic/grad_norm = nan, loss/value = inf" in str(info.value)
+    assert info.value.step == 4

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +17,13 @@ import ray
 import torch
 from ppo_driver.rollout import (
     CharTokenizer,
+    EngineHealth,
+    EngineRestarted,
     GroupOutput,
     GroupRequest,
     PromptDataset,
     ReplayBuffer,
+    RewardFailure,
     RolloutManager,
     SamplingParams,
     WeightRefitter,
@@ -29,6 +35,8 @@ from ppo_driver.rollout import (
 )
 from ppo_sampler import InOrderSampler
 from ppo_trainer import ActorConfig, ActorWorker, ModelSpec
+from ray.exceptions import RayActorError
+from test_rollout_safety_ports import is_loopback, listening_sockets, process_tree
 
 TOK = CharTokenizer()
 SPEC = ModelSpec(
@@ -236,7 +244,9 @@ def test_bad_rewards_fail_their_group_and_the_step_is_refilled(engines: list[Any
     m.release(ids)
     _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=1)
     assert [(f.group_id, f.step) for f in m.failures] == [(2, 0), (5, 1)]
-    assert "sample 0 is nan; rewards must be finite" in m.failures[1].message
+    assert "returned nan for prompt 5 sample 0; a reward must return a real number" in (
+        m.failures[1].message
+    )
     assert sorted(m.buffer.ready_ids()) == [6, 7, 8, 9] and sampler.num_ready == 4
     assert 2 not in m.buffer and 5 not in m.buffer
 
@@ -311,3 +321,148 @@ def test_engine_death_mid_step_loses_nothing(tmp_path: Path) -> None:
     assert refitter.refit(version=5).version == 5
     ray.kill(engine)
     ray.kill(holder)
+
+
+def _wait_for_restart(engine: Any, incarnation: str, *, limit_s: float = 300) -> EngineHealth:
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert time.monotonic() < deadline, "the engine did not come back"
+        try:
+            health: EngineHealth = ray.get(engine.health.remote(), timeout=60)
+        except RayActorError:  # asked while it was dying
+            time.sleep(0.2)
+            continue
+        if health.incarnation != incarnation:
+            return health
+        time.sleep(0.2)
+
+
+def test_a_restarted_engine_gets_the_current_weights_before_it_generates() -> None:
+    """Issue: a killed engine came back with the weights it was built with and the next
+    step trained on its samples. Now it refuses to generate until it is restored, and the
+    refitter restores it without a snapshot directory (host copy of the last refit)."""
+    (engine,) = launch_embedded_engines(
+        1, model=SPEC, run_seed=11, num_cpus=1, name_prefix="phoenix"
+    )
+    actor: Any = ray.remote(ActorWorker).options(num_cpus=0).remote(ActorConfig(model=SPEC))
+    weights = ray.get(actor.export_weights.remote())
+    gen = torch.Generator().manual_seed(7)
+    ray.get(
+        actor.load_weights.remote(
+            {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+        )
+    )
+    refitter = WeightRefitter(actor=actor, engines=[engine])  # no snapshot_dir
+    refitter.refit(version=3)
+    first = ray.get(engine.health.remote(), timeout=300)
+    assert first.weight_version == 3 and not first.needs_weights
+
+    os.kill(int(first.extra["pid"]), signal.SIGKILL)  # while idle: no call sees it die
+    back = _wait_for_restart(engine, first.incarnation)
+    assert back.needs_weights and back.weight_version == 0  # its initial weights, and it says so
+    with pytest.raises(EngineRestarted):
+        ray.get(engine.generate.remote(_requests([0])))
+    bare = _manager([engine], InOrderSampler(max_lookahead_versions=0))
+    with pytest.raises(RuntimeError, match="on_engine_restart"):  # no way to restore it: stop
+        _run_until(bare, lambda: False, trainer_step=0, limit_s=120)
+
+    sampler = InOrderSampler(max_lookahead_versions=0)
+    m = _manager([engine], sampler, on_engine_restart=refitter.restore_engine)
+    _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0, limit_s=300)
+    health = ray.get(engine.health.remote())
+    assert health.incarnation == back.incarnation
+    assert health.weight_version == 3 and not health.needs_weights
+    assert {m.buffer.get(g).weight_version for g in range(4)} == {3}
+    assert m.redispatched  # the groups it refused were generated after the restore
+    outputs = [m.buffer.get(g).output for g in range(4)]
+    assert _check_against_trainer(actor, outputs) < LOGPROB_ATOL  # the trainer's policy
+    # the next refit rebuilds the group around the new incarnation
+    assert refitter.refit(version=4).version == 4
+    assert ray.get(engine.health.remote()).weight_version == 4
+    ray.kill(engine)
+    ray.kill(actor)
+
+
+_HANG = threading.Event()
+
+
+def _stubborn_reward(*, response: str, record: Any, finish_reason: str) -> Any:
+    if record is DATA.record(1):
+        return True  # a bool is not a reward
+    if record is DATA.record(2):
+        _HANG.wait()  # hangs (until the test ends)
+    return repeat_reward(response=response, record=record, finish_reason=finish_reason)
+
+
+def test_a_hung_or_non_numeric_reward_fails_only_its_group(engines: list[Any]) -> None:
+    sampler = InOrderSampler(max_lookahead_versions=0)
+    m = _manager(engines, sampler, reward_fn=_stubborn_reward, reward_timeout_s=0.5)
+    try:
+        _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0)
+    finally:
+        _HANG.set()
+    assert sorted((f.group_id, f.step) for f in m.failures) == [(1, 0), (2, 0)]
+    by_id = {f.group_id: f.message for f in m.failures}
+    assert (
+        "returned True (bool) for prompt 1 sample 0; a reward must return a real number"
+        in (by_id[1])
+    )
+    assert "_stubborn_reward did not return within 0.5 s for prompt 2 sample 0" in by_id[2]
+    assert sorted(m.buffer.ready_ids()) == [0, 3, 4, 5]
+
+
+def _offline_grader(**_: Any) -> float:
+    raise ConnectionError("grader offline")
+
+
+def _fails_for_some(*, response: str, record: Any, finish_reason: str) -> float:
+    if any(record is DATA.record(i) for i in (0, 1, 3, 4)):
+        raise ValueError("no answer")
+    return repeat_reward(response=response, record=record, finish_reason=finish_reason)
+
+
+def test_a_reward_that_always_fails_stops_the_run(engines: list[Any]) -> None:
+    # failures with successes in between never add up to a streak
+    m = _manager(
+        engines,
+        InOrderSampler(max_lookahead_versions=0),
+        reward_fn=_fails_for_some,
+        max_in_flight=1,
+        max_consecutive_group_failures=3,
+    )
+    _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0)
+    assert [f.group_id for f in m.failures] == [0, 1, 3, 4]
+    assert sorted(m.buffer.ready_ids()) == [2, 5, 6, 7]
+
+    doomed = _manager(
+        engines,
+        InOrderSampler(max_lookahead_versions=0),
+        reward_fn=_offline_grader,
+        max_consecutive_group_failures=5,
+    )
+    with pytest.raises(RewardFailure) as info:
+        _run_until(doomed, lambda: False, trainer_step=0)
+    assert len(doomed.failures) == 5 and len(doomed.buffer) == 0
+    msg = str(info.value)
+    assert "5 prompt groups failed in a row" in msg
+    assert "rollout.max_consecutive_group_failures=5" in msg
+    # the first failure's traceback, down to the line in the reward that raised
+    assert "Traceback (most recent call last)" in msg and "in _offline_grader" in msg
+    assert 'raise ConnectionError("grader offline")' in msg
+    assert "ConnectionError: grader offline" in msg
+
+
+def test_the_cluster_and_the_refit_group_listen_on_loopback_only(engines: list[Any]) -> None:
+    """Every listening socket of this process tree (Ray's GCS, raylet, agents and
+    workers, the actor holding the refit store, the engines' gloo transport) is on
+    127.0.0.1 / ::1; the refit adds listeners and they are loopback too."""
+    tree = process_tree(os.getpid())
+    before = set(listening_sockets(tree))
+    actor: Any = ray.remote(ActorWorker).options(num_cpus=0).remote(ActorConfig(model=SPEC))
+    refitter = WeightRefitter(actor=actor, engines=engines)
+    refitter.refit(version=3)  # the initial weights, as the earlier refit test leaves them
+    found = set(listening_sockets(process_tree(os.getpid())))
+    assert found - before  # the refit store (in the actor process) and gloo's listeners
+    wide = sorted(s for s in found if not is_loopback(s[1]))
+    assert wide == [], f"listening beyond loopback (pid, address, port): {wide}"
+    ray.kill(actor)

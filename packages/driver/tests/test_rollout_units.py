@@ -264,10 +264,10 @@ async def _async_reward(*, response: str, **_: Any) -> float:
 @pytest.mark.parametrize(
     ("fn", "msg"),
     [
-        pytest.param(_raises, "reward failed for prompt 9: KeyError", id="exception"),
-        pytest.param(lambda **_: float("nan"), "sample 0 is nan", id="nan"),
-        pytest.param(lambda **_: float("inf"), "sample 0 is inf", id="inf"),
-        pytest.param(lambda **_: "high", "not a number", id="not-a-number"),
+        pytest.param(_raises, "_raises failed for prompt 9 sample 0: KeyError", id="exception"),
+        pytest.param(lambda **_: float("nan"), "returned nan for prompt 9 sample 0", id="nan"),
+        pytest.param(lambda **_: float("inf"), "returned inf for prompt 9 sample 0", id="inf"),
+        pytest.param(lambda **_: "high", r"returned 'high' \(str\)", id="not-a-number"),
     ],
 )
 def test_bad_rewards_fail_the_group(fn: Any, msg: str) -> None:

@@ -1,15 +1,138 @@
-"""Test helpers of ppo-trainer: tiny model spec, configs per backend, random PPO batches.
+"""Test helpers of ppo-trainer: tiny model spec, configs per backend, random PPO batches,
+and the float tolerances the equivalence tests derive from what they compare.
 
 (A uniquely named module, not ``conftest``: the packages' tests are collected together.)
+
+Tolerances. Two computations of the same value that differ only in rounding (another
+summation order: chunks vs one batch, another kernel, another rank layout) agree to a
+bound that follows from the float format, the number of rounded terms accumulated and
+their magnitude, never to a constant that happened to hold on one CPU:
+
+* ``rounding_bound``: the classical bound for a sum of ``n`` rounded terms (Higham,
+  *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 4.4):
+  ``|fl(sum) - sum| <= gamma_n * sum|a_i|``, ``gamma_n = n*u / (1 - n*u) <= n*eps`` for
+  ``n*u <= 1/2`` (``u = eps/2``). Two such evaluations differ by at most twice that.
+* ``model_terms``: for a model's gradients, logits or values, ``n`` is the longest chain
+  of accumulations (first-order error model: the errors of successive products add; the
+  tiny randomly initialised models are well conditioned). It is ~600-1000 here while
+  the differences seen are 1-3 ``eps * magnitude``, so the bound does not depend on a
+  CPU's summation order, and it is still 100x below what a real defect moves (a wrong
+  denominator or a dropped chunk changes gradients by >= 1e-2 relative).
+* ``adam_step_bound``: weights after an Adam step. Adam divides every element by its
+  own RMS, so an element whose gradient is within rounding of 0 may move by anything up
+  to ``2 * lr``; the bound is per element, from the gradient bound (see there).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from ppo_trainer import ActorConfig, CriticConfig, ModelSpec
+
+EPS32 = torch.finfo(torch.float32).eps  # 2**-23 ~ 1.19e-7
+EPS64 = torch.finfo(torch.float64).eps  # 2**-52 ~ 2.22e-16
+
+
+def rounding_bound(*, terms: int, magnitude: float, dtype: torch.dtype = torch.float32) -> float:
+    """Largest ``|a - b|`` for two evaluations in ``dtype`` of one value that accumulate at
+    most ``terms`` rounded terms whose absolute values sum to at most ``magnitude``:
+    ``2 * gamma_terms * magnitude <= 2 * terms * eps * magnitude`` (module docstring)."""
+    eps = torch.finfo(dtype).eps
+    if not terms * eps / 2 <= 0.5:
+        raise ValueError(f"terms={terms} is too many for {dtype}: the bound needs n*u <= 1/2")
+    return 2.0 * terms * eps * float(magnitude)
+
+
+def model_terms(spec: ModelSpec, *, tokens: int, seq_len: int) -> int:
+    """The longest chain of accumulated terms behind a gradient element (or a logit) of a
+    ``spec`` model on a batch of ``tokens`` tokens of length ``seq_len``.
+
+    Forward and backward through each layer accumulate over the hidden size (q/k/v/o
+    projections, RMS norm), the intermediate size (MLP down projection) and the keys of
+    attention (``seq_len``); the head over the hidden size and the log-softmax over the
+    vocabulary; a weight gradient finally sums over the step's ``tokens``.
+    """
+    per_layer = spec.hidden_size + spec.intermediate_size + seq_len
+    return tokens + 2 * spec.num_hidden_layers * per_layer + spec.hidden_size + spec.vocab_size
+
+
+def grad_bounds(
+    magnitude: Mapping[str, torch.Tensor], *, terms: int, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
+    """Per tensor: ``rounding_bound`` with the tensor's largest accumulated magnitude
+    (``magnitude[name]``: the elementwise sum of the absolute chunk contributions)."""
+    return {
+        name: rounding_bound(terms=terms, magnitude=float(m.abs().max()), dtype=dtype)
+        for name, m in magnitude.items()
+    }
+
+
+def assert_within(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    bound: Mapping[str, float | torch.Tensor],
+) -> None:
+    """``|actual - expected| <= bound`` elementwise for every tensor (same keys)."""
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        diff = (actual[name].double() - want.double()).abs()
+        limit = torch.as_tensor(bound[name], dtype=torch.float64).expand_as(diff)
+        over = diff > limit
+        if bool(over.any()):
+            worst = int((diff - limit).flatten().argmax())
+            raise AssertionError(
+                f"{name}: {int(over.sum())} of {diff.numel()} elements differ by more than "
+                f"the derived bound (worst: {float(diff.flatten()[worst]):.3g} against "
+                f"{float(limit.flatten()[worst]):.3g})"
+            )
+
+
+def adam_step_bound(
+    *,
+    grads: Mapping[str, torch.Tensor],
+    grad_bound: Mapping[str, float],
+    params: Mapping[str, torch.Tensor],
+    lr: float,
+    adam_eps: float,
+    grad_norm: float,
+    max_grad_norm: float | None,
+) -> dict[str, torch.Tensor]:
+    """Per element: how far two runs' weights may be apart after ONE Adam(W) step from the
+    same weights, when their gradients differ by at most ``grad_bound`` per tensor.
+
+    ``grads``: one run's (unclipped, summed) gradients; ``grad_norm``: its total norm as
+    the step reported it; ``lr``: the step's learning rate; ``params``: the weights after
+    the step (their rounding). The first step moves an element by ``lr * f(c * g)`` with
+    ``f(x) = x / (|x| + eps)`` (bias-corrected moments are ``c*g`` and ``(c*g)^2``; weight
+    decay scales the equal start weights identically) and ``c = min(1, max_norm /
+    (norm + 1e-6))`` the clip coefficient. ``|f| < 1`` and ``|f'(x)| = eps / (|x| +
+    eps)^2``, so by the mean value theorem two gradients ``d`` apart move it by at most
+    ``lr * min(2, d * eps / (max(|x| - d, 0) + eps)^2)``: tight where ``|g| >> d``, up to
+    ``2 * lr`` where the gradient is within rounding of 0. ``d`` includes the clip
+    coefficient's own difference (``|dc| <= c * D / (N - D)``, ``D`` the bound on the
+    gradients' norm difference). Plus the rounding of Adam's few operations
+    (``lr * 8 * eps32``) and of the new weight (``eps32 * |theta|``).
+    """
+    dnorm = math.sqrt(sum(float(b) ** 2 * grads[k].numel() for k, b in grad_bound.items()))
+    clip = 1.0
+    dclip = 0.0
+    if max_grad_norm is not None and grad_norm + dnorm > max_grad_norm:
+        clip = min(1.0, max_grad_norm / (grad_norm + 1e-6))
+        dclip = clip * dnorm / max(grad_norm - dnorm, 1e-30)
+    out: dict[str, torch.Tensor] = {}
+    for name, g in grads.items():
+        g = g.double()
+        d = clip * float(grad_bound[name]) + dclip * g.abs()
+        x = (clip * g).abs()
+        lipschitz = adam_eps / ((x - d).clamp(min=0.0) + adam_eps) ** 2
+        move = lr * torch.minimum(d * lipschitz, torch.full_like(x, 2.0))
+        out[name] = move + lr * 8 * EPS32 + EPS32 * params[name].double().abs()
+    return out
+
 
 TINY = ModelSpec(
     vocab_size=64,

@@ -7,20 +7,32 @@ Layout of one checkpoint (never pickle: safetensors for tensors, JSON for the re
         critic/           written by the critic workers
         driver.json       counters, sampler state, replay state, RNG (python), config
         tensors.safetensors   driver-side tensors (torch RNG, replay payloads)
+        manifest.json     written last: every other file's size and sha256
     <run>/checkpoints/latest    the name of the newest complete checkpoint
 
 A checkpoint directory exists under its final name only once it is complete: the
-driver writes ``step_000005.partial``, fsyncs the files and renames it. ``latest`` is
-replaced atomically after the rename. A crash at any point leaves either the previous
-checkpoint or the new one, never a half-written one that ``--resume`` would read.
+driver writes ``step_000005.partial``, writes the manifest last, fsyncs the files and
+renames it. ``latest`` is replaced atomically after the rename. A crash at any point
+leaves either the previous checkpoint or the new one, never a half-written one that
+``--resume`` would read.
+
+Damage after the fact (a truncated or overwritten file, a disk error) is caught by
+:func:`verify_checkpoint` before ``--resume`` starts anything: every file the manifest
+lists must exist with its size and sha256. A checkpoint written before manifests existed
+(ppo-driver 0.1.0 development builds) is still accepted, after a structural check
+(every JSON file parses, every safetensors file is as long as its header says); its
+contents cannot be verified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +42,31 @@ import torch
 from safetensors.torch import load_file, save_file
 
 __all__ = [
+    "MANIFEST",
+    "CheckpointDamaged",
     "CheckpointData",
+    "checkpoint_step",
+    "complete_checkpoints",
     "find_latest",
     "load_checkpoint",
     "restore_rng",
     "rng_state",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 _PARTIAL = ".partial"
+_COMPLETE_NAME = re.compile(r"step_(\d+)")
+MANIFEST = "manifest.json"
+"""Written last inside each checkpoint: ``{"files": {relative path: {"bytes", "sha256"}}}``."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file is missing, truncated, altered or unreadable."""
+
+    def __init__(self, checkpoint: Path, file: Path, reason: str) -> None:
+        self.checkpoint, self.file, self.reason = checkpoint, file, reason
+        super().__init__(f"checkpoint {checkpoint} is damaged: {file}: {reason}")
 
 
 @dataclass
@@ -111,6 +139,7 @@ def save_checkpoint(
         {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
         str(tmp / "tensors.safetensors"),
     )
+    _write_manifest(tmp)  # last: a manifest vouches for every file written before it
     _fsync_tree(tmp)
     if crash_hook is not None:
         crash_hook("before_rename")
@@ -124,9 +153,21 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a complete checkpoint directory's name (``step_000005`` -> 5), else None."""
+    match = _COMPLETE_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def _complete(root: Path) -> list[Path]:
-    out = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(_PARTIAL)]
-    return sorted(out, key=lambda p: int(p.name.split("_")[1]))
+    out = [p for p in root.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(out, key=lambda p: checkpoint_step(p) or 0)
+
+
+def complete_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
+    """The complete (renamed) checkpoints, oldest first; their files are not verified."""
+    root = Path(checkpoints_dir)
+    return [p for p in _complete(root) if (p / "driver.json").exists()] if root.is_dir() else []
 
 
 def _prune(root: Path, *, keep: int) -> None:
@@ -143,16 +184,118 @@ def find_latest(checkpoints_dir: str | Path) -> Path | None:
     if not root.is_dir():
         return None
     pointer = root / "latest"
-    if pointer.exists():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "driver.json").exists():
-            return candidate
-    done = [p for p in _complete(root) if (p / "driver.json").exists()]
+    try:
+        name = pointer.read_text().strip() if pointer.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        name = ""  # an unreadable pointer: fall back to the highest complete step
+    candidate = root / name
+    if name and checkpoint_step(candidate) is not None and (candidate / "driver.json").exists():
+        return candidate
+    done = complete_checkpoints(root)
     return done[-1] if done else None
 
 
 def load_checkpoint(path: str | Path) -> CheckpointData:
+    """The driver's part of a checkpoint; a damaged file raises :class:`CheckpointDamaged`
+    naming it (run :func:`verify_checkpoint` first to check every file)."""
     path = Path(path)
-    state = json.loads((path / "driver.json").read_text())
-    tensors = load_file(str(path / "tensors.safetensors"))
+    state = _read_json(path, path / "driver.json")
+    try:
+        tensors = load_file(str(path / "tensors.safetensors"))
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointDamaged(path, path / "tensors.safetensors", str(exc)) from exc
     return CheckpointData(path=path, step=int(state["step"]), state=state, tensors=tensors)
+
+
+# ------------------------------------------------------------------- integrity
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(root: Path) -> None:
+    files = {
+        p.relative_to(root).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in _files(root)
+    }
+    (root / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def _read_json(checkpoint: Path, path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CheckpointDamaged(checkpoint, path, "missing") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointDamaged(checkpoint, path, f"not readable JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointDamaged(checkpoint, path, "not a JSON object")
+    return value
+
+
+def _check_safetensors_length(checkpoint: Path, path: Path) -> None:
+    """A safetensors file must be exactly as long as its header says (catches truncation
+    without reading the tensors)."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > size:
+                raise ValueError(f"header length {header_len} exceeds the file")
+            header = json.loads(fh.read(header_len))
+        end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointDamaged(checkpoint, path, f"not a safetensors file ({exc})") from exc
+    if size != 8 + header_len + end:
+        raise CheckpointDamaged(
+            checkpoint, path, f"{size} bytes, its header describes {8 + header_len + end}"
+        )
+
+
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check a complete checkpoint's files before anything reads them.
+
+    With a manifest (every checkpoint this version writes): every listed file exists
+    with its recorded size and sha256; returns True. Without one (written before
+    manifests existed): every JSON file parses and every safetensors file is as long as
+    its header says; returns False (the contents could not be verified). Raises
+    :class:`CheckpointDamaged` naming the first bad file.
+    """
+    root = Path(path)
+    manifest = root / MANIFEST
+    if not manifest.exists():
+        if not (root / "driver.json").exists():
+            raise CheckpointDamaged(root, root / "driver.json", "missing")
+        for f in _files(root):
+            if f.suffix == ".json":
+                _read_json(root, f)
+            elif f.suffix == ".safetensors":
+                _check_safetensors_length(root, f)
+        return False
+    listed = _read_json(root, manifest).get("files")
+    if not isinstance(listed, dict) or "driver.json" not in listed:
+        raise CheckpointDamaged(root, manifest, "no file list (or one without driver.json)")
+    for rel, want in sorted(listed.items()):
+        f = root / rel
+        if not (isinstance(want, dict) and isinstance(want.get("bytes"), int)):
+            raise CheckpointDamaged(root, manifest, f"no size recorded for {rel}")
+        if not f.is_file():
+            raise CheckpointDamaged(root, f, "missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointDamaged(root, f, f"{size} bytes, the manifest says {want['bytes']}")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointDamaged(root, f, "contents differ from the manifest (sha256)")
+    return True

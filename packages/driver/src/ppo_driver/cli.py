@@ -3,6 +3,7 @@
 ppo-driver train                       # built-in tiny task, streaming, ./runs/tiny
 ppo-driver train --config my.yaml ppo.num_prompts_per_step=32
 ppo-driver train --resume              # continue the run in its run directory
+ppo-driver train --overwrite           # start over in a used run directory
 ppo-driver validate --config my.yaml   # every problem at once, exit 1 on errors
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,11 +20,16 @@ from ppo_driver.config import ConfigError, load_config
 
 __all__ = ["main"]
 
+_FAIL_ENV = "PPO_DRIVER_FAIL_AT"  # ppo_driver.run.FAIL_ENV (not imported: validate stays light)
 
-def _parser() -> argparse.ArgumentParser:
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and the subcommands' parsers (overrides may come before,
+    between and after the flags: the subcommands parse intermixed arguments)."""
     parser = argparse.ArgumentParser(
         prog="ppo-driver",
-        description="Streaming colocated PPO: actor and critic share training devices, generation runs on its own.",
+        description="Streaming colocated PPO: actor and critic share training devices, "
+        "generation runs on its own.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{train,validate}")
 
@@ -37,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
             "overrides",
             nargs="*",
             metavar="KEY=VALUE",
-            help="dotted overrides, e.g. ppo.num_prompts_per_step=32 async_rl.min_groups_for_streaming_train=8",
+            help="dotted overrides, e.g. ppo.num_prompts_per_step=32 "
+            "async_rl.min_groups_for_streaming_train=8 (before or after the flags)",
         )
 
     train = sub.add_parser(
@@ -48,22 +56,51 @@ def _parser() -> argparse.ArgumentParser:
         "--run-dir",
         type=Path,
         default=None,
-        help="output directory (default: <run.output_dir>/<run.name>)",
+        help="output directory (default: <run.output_dir>/<run.name>); a new run needs "
+        "it empty, one run at a time may use it",
     )
-    train.add_argument(
+    start = train.add_mutually_exclusive_group()
+    start.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in the run directory",
+        help="continue from the newest complete checkpoint in the run directory (verified "
+        "first; if it is damaged the message names the file and the older checkpoint to "
+        "use: move the damaged one out of checkpoints/ and --resume again)",
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run directory's contents and start a new run there",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar, log lines only")
     validate = sub.add_parser("validate", help="check a config and report every problem at once")
     common(validate)
-    return parser
+    return parser, {"train": train, "validate": validate}
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser, commands = _parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in commands:
+        ns = commands[args[0]].parse_intermixed_args(args[1:])
+        ns.command = args[0]
+        return parser, ns
+    return parser, parser.parse_args(args)
+
+
+def _say(message: str) -> None:
+    print(f"ppo-driver: {message}", file=sys.stderr, flush=True)
+
+
+def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    words = ["ppo-driver", "train", "--run-dir", str(run_dir), "--resume"]
+    if args.config is not None:
+        words += ["--config", str(args.config)]
+    return shlex.join(words + list(args.overrides))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    parser, args = _parse(argv)
     if args.command is None:
         parser.print_help()
         return 2
@@ -75,6 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in report.warnings:
         print(warning, file=sys.stderr)
     if args.command == "validate":
+        fail_env = os.environ.get(_FAIL_ENV)
+        if fail_env:  # refused by train too; checked here only when set (it loads torch)
+            from ppo_driver.run import StartupError, parse_fail_at
+
+            try:
+                parse_fail_at(fail_env)
+            except StartupError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
         if report.errors:
             print(f"{len(report.errors)} error(s):", file=sys.stderr)
             for problem in report.errors:
@@ -88,18 +134,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in report.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    from ppo_driver.pump import InjectedFailure
-    from ppo_driver.run import train
+    from ppo_driver.pump import InjectedFailure, NonFiniteError
+    from ppo_driver.run import RunStopped, StartupError, last_checkpoint_note, train
 
     run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
     if args.no_progress:
         cfg.run.progress = False
     try:
-        result = train(cfg, run_dir=run_dir, resume=args.resume)
+        result = train(cfg, run_dir=run_dir, resume=args.resume, overwrite=args.overwrite)
+    except StartupError as exc:
+        _say(f"refusing to start: {exc}")
+        return 1
+    except RunStopped as stop:
+        _say(f"stopped by {stop.signal_name}; the workers, the engines and Ray are shut down")
+        _say(last_checkpoint_note(run_dir))
+        _say(f"to continue: {_resume_command(args, run_dir)}")
+        return stop.exit_code
+    except NonFiniteError as exc:
+        _say(f"stopped: {exc}")
+        _say(f"nothing of that step was applied or recorded; {last_checkpoint_note(run_dir)}")
+        return 1
     except InjectedFailure as exc:
         # A crash drill: train() has already run its clean-up (workers, Ray, trace); what
         # the drill tests is that no half-written checkpoint is ever taken as the latest.
-        print(f"ppo-driver: {exc}", file=sys.stderr, flush=True)
+        _say(str(exc))
         os._exit(3)
     return 0 if result.completed_steps >= cfg.run.num_steps else 1
 

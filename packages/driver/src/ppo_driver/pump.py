@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,10 +27,12 @@ from ppo_driver.trace import TraceRecorder
 __all__ = [
     "ChunkGate",
     "InjectedFailure",
+    "NonFiniteError",
     "RolloutLink",
     "StepReport",
     "TrainPump",
     "assemble_full_batch",
+    "check_finite_metrics",
     "step_prompt_indices",
 ]
 
@@ -39,6 +41,15 @@ log = logging.getLogger("ppo_driver.pump")
 
 class InjectedFailure(RuntimeError):
     """Raised at a named point when a test asks the pump to crash there."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A step produced a non-finite loss, gradient norm or metric; the step is not
+    recorded or checkpointed (the workers refuse the optimizer step itself)."""
+
+    def __init__(self, step: int, detail: str) -> None:
+        self.step = step
+        super().__init__(f"step {step}: {detail}")
 
 
 # ------------------------------------------------------------------- pure helpers
@@ -385,10 +396,21 @@ class TrainPump:
 
     # ---------------------------------------------------------------- one step
     def run_step(self) -> StepReport:
+        """One PPO step; a worker's refusal of a non-finite loss or gradient norm (raised
+        before its optimizer step) comes back as :class:`NonFiniteError` naming the step."""
+        step = self.completed_steps
+        try:
+            return self._run_step(step)
+        except FloatingPointError as exc:
+            if isinstance(exc, NonFiniteError):
+                raise
+            cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the worker's
+            raise NonFiniteError(step, str(cause)) from None
+
+    def _run_step(self, step: int) -> StepReport:
         from ppo_lifecycle import Phase
 
         cfg, ppo = self.cfg, self.cfg.ppo
-        step = self.completed_steps
         warmup = step < ppo.critic_warmup_steps  # critic warm-up: no policy work at all
         colocated_full_batch = cfg.cluster.colocate and not cfg.streaming
         full_batch_epochs = not cfg.streaming and ppo.ppo_epochs > 1
@@ -753,6 +775,7 @@ class TrainPump:
         del actor_metrics  # per-chunk numbers; the update reports the step's totals
         out.update(update_metrics)
         out.update(critic_metrics)
+        check_finite_metrics(step, out)
         return out
 
 
@@ -769,11 +792,26 @@ def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
 
 
+def check_finite_metrics(step: int, metrics: Mapping[str, Any]) -> None:
+    """Refuse a step whose numbers are not all finite (a NaN or inf is never dropped or
+    written as a gap): raises :class:`NonFiniteError` naming the step and every key."""
+    bad = {
+        k: v
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and not math.isfinite(v)
+    }
+    if bad:
+        listed = ", ".join(f"{k} = {v!r}" for k, v in sorted(bad.items()))
+        raise NonFiniteError(step, f"non-finite metric(s): {listed}; the step is not recorded")
+
+
 def _sum_dicts(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per-key sums over ranks or chunks. Non-finite values are kept (the sum is then
+    non-finite too) so that :func:`check_finite_metrics` sees them."""
     out: dict[str, float] = {}
     for row in rows:
         for k, v in row.items():
-            if isinstance(v, int | float) and math.isfinite(float(v)):
+            if isinstance(v, int | float):
                 out[k] = out.get(k, 0.0) + float(v)
     return out
 

@@ -9,36 +9,123 @@ plot and the Chrome-trace timeline.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import json
 import logging
 import os
+import shutil
+import signal
+import socket
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ppo_driver.checkpoint import (
+    CheckpointDamaged,
+    checkpoint_step,
+    complete_checkpoints,
     find_latest,
     load_checkpoint,
     restore_rng,
     rng_state,
     save_checkpoint,
+    verify_checkpoint,
 )
 from ppo_driver.config import DriverConfig, ModelConfig
 from ppo_driver.metrics import MetricsWriter, format_step_line, plot_rewards, read_metrics
 from ppo_driver.pump import InjectedFailure, StepReport, TrainPump
 from ppo_driver.trace import TraceRecorder
 
-__all__ = ["RunResult", "build_trainer_configs", "train"]
+__all__ = [
+    "FAIL_ENV",
+    "FAIL_POINTS",
+    "LOCK_FILE",
+    "RESUME_FIXED_KEYS",
+    "RunLock",
+    "RunResult",
+    "RunStopped",
+    "StartupError",
+    "build_trainer_configs",
+    "last_checkpoint_note",
+    "parse_fail_at",
+    "resume_config_changes",
+    "train",
+]
 
 log = logging.getLogger("ppo_driver")
 
 FAIL_ENV = "PPO_DRIVER_FAIL_AT"
 """``<step>:<point>`` makes the driver crash at a named point (tests, crash drills)."""
+
+FAIL_POINTS = ("after_chunks", "after_policy_update", "before_critic", "after_step", "checkpoint")
+"""The points :data:`FAIL_ENV` can name."""
+
+LOCK_FILE = "run.lock"
+"""In the run directory: locked (``flock``) by the run using it; names its holder."""
+
+RESUME_FIXED_KEYS: tuple[str, ...] = (
+    "run.seed",  # prompt order, sampling and initial weights
+    "ppo.num_prompts_per_step",  # which prompts make step k; replay and sampler state
+    "ppo.num_generations_per_prompt",  # rows per group in the replay buffer
+    "cluster.actor_gpus",  # data-parallel ranks: one checkpoint file set per rank
+    "rollout.task",
+    "rollout.dataset_path",
+    "rollout.extra",  # e.g. the built-in task's max_count: what prompt i is
+    "async_rl.sampler.name",  # the sampler state's format
+    *(
+        f"{role}.{key}"
+        for role in ("policy", "critic")
+        for key in (
+            "model_path",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "megatron_cfg.enabled",
+            "megatron_cfg.tensor_model_parallel_size",
+            "megatron_cfg.pipeline_model_parallel_size",
+            "megatron_cfg.optimizer.use_distributed_optimizer",
+        )
+    ),
+)
+"""Config keys that fix the meaning of a run's saved state: ``--resume`` refuses to
+change them (the rest, e.g. ``run.num_steps`` or learning rates, may change)."""
+
+
+class StartupError(ValueError):
+    """A run refused before anything started (no Ray, no workers; the message says what
+    and how to fix it)."""
+
+
+class RunStopped(BaseException):
+    """``train`` stopped on SIGINT or SIGTERM after a clean teardown (workers, engines and
+    Ray shut down, no checkpoint half-written). Like ``KeyboardInterrupt``, not an
+    ``Exception``. ``exit_code``: 128 + the signal number (130, 143)."""
+
+    def __init__(self, signum: int, *, run_dir: Path, checkpoint: Path | None) -> None:
+        self.signum, self.run_dir, self.checkpoint = signum, run_dir, checkpoint
+        super().__init__(f"stopped by {self.signal_name}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
 
 TASK_ALPHABET = "abcdefgh0123456789:"
 
@@ -85,8 +172,7 @@ def build_trainer_configs(cfg: DriverConfig, *, vocab_size: int) -> tuple[Any, A
             options = {
                 "tensor_model_parallel_size": mc.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
-                "use_distributed_optimizer": mc.optimizer.use_distributed_optimizer,
-                "overlap_param_gather": mc.optimizer.overlap_param_gather,
+                "optimizer": dataclasses.asdict(mc.optimizer),
                 "use_megatron_fsdp": mc.use_megatron_fsdp,
                 "fp8_param": mc.fp8_param,
                 "fp8_recipe": mc.fp8_recipe,
@@ -186,6 +272,281 @@ def _progress_bar(done: int, total: int, *, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
+# ------------------------------------------------------------------- before anything starts
+
+
+def parse_fail_at(value: str | None) -> str | None:
+    """``"<step>:<point>"`` (a crash drill), normalised; ``None`` or ``""``: no drill.
+    Anything else is refused (a typo must not silently run without the drill)."""
+    if not value:
+        return None
+    step, sep, point = value.partition(":")
+    if not (sep and step.strip().isdigit() and point in FAIL_POINTS):
+        raise StartupError(
+            f"{FAIL_ENV}={value!r} is not '<step>:<point>' with a step number and one of "
+            f"{', '.join(FAIL_POINTS)} (e.g. '1:before_critic'); fix it or unset it"
+        )
+    return f"{int(step)}:{point}"
+
+
+def _open_run_dir(run_dir: Path) -> None:
+    """Create the run directory and prove it writable, or refuse with the reason."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise StartupError(f"--run-dir {run_dir} is a file, not a directory; choose another path")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StartupError(
+            f"--run-dir {run_dir} cannot be used: {exc.strerror or exc} "
+            f"({type(exc).__name__}: {exc.filename or run_dir}); choose a directory you can "
+            "create and write to"
+        ) from None
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run dir>/run.lock`` held for the life of a run.
+
+    The file names the holder (pid, host, start time, command) for the run that finds
+    it taken. The kernel drops the lock when the holder's process ends, however it ends
+    (the descriptor is not inherited by Ray's processes); the file itself stays.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock:
+        path = run_dir / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StartupError(f"cannot create the lock file {path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise StartupError(
+                f"run directory {run_dir} is in use by another run ({holder}; lock file "
+                f"{path}); wait for that run to end or stop it, or choose another --run-dir"
+            ) from None
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the lock
+            self._fd = None
+
+
+def _lock_holder(fd: int) -> str:
+    """The holder as its lock file describes it (it writes that right after locking)."""
+    for _ in range(20):
+        try:
+            info = json.loads(os.pread(fd, 1 << 16, 0) or b"null")
+        except ValueError:
+            info = None
+        if isinstance(info, dict):
+            return (
+                f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}: "
+                f"{info.get('command')}"
+            )
+        time.sleep(0.05)
+    return "holder not recorded yet"
+
+
+def _claim_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
+    """A fresh run needs an empty run directory (``--overwrite`` empties it; returns what
+    it removed). ``--resume`` continues what is there."""
+    others = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+    if not others or resume:
+        return []
+    if overwrite:
+        for name in others:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return others
+    shown = ", ".join(others[:6]) + (", ..." if len(others) > 6 else "")
+    raise StartupError(
+        f"run directory {run_dir} is not empty ({shown}). A new run there would mix with "
+        "the old run's files, and checkpoint pruning (which keeps the highest step numbers) "
+        "would delete the new run's own checkpoints. Continue the old run with --resume, "
+        "start over with --overwrite (deletes the directory's contents), or choose another "
+        "--run-dir"
+    )
+
+
+def _checkpoint_to_resume(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint, verified (manifest) before anything reads it."""
+    latest = find_latest(ckpt_dir)
+    if latest is None:
+        return None
+    try:
+        if not verify_checkpoint(latest):
+            log.warning(
+                "%s has no manifest (written before ppo-driver checked checkpoints): its "
+                "files parse and have the lengths their headers give, contents not verified",
+                latest,
+            )
+    except CheckpointDamaged as exc:
+        raise StartupError(_damaged_message(exc, ckpt_dir)) from None
+    return latest
+
+
+def _damaged_message(exc: CheckpointDamaged, ckpt_dir: Path) -> str:
+    damaged_step = checkpoint_step(exc.checkpoint) or 0
+    fallback: Path | None = None
+    for older in reversed(complete_checkpoints(ckpt_dir)):
+        if (checkpoint_step(older) or 0) < damaged_step:
+            try:
+                verify_checkpoint(older)
+            except CheckpointDamaged:
+                continue
+            fallback = older
+            break
+    out = f"--resume: {exc}. "
+    if fallback is None:
+        return out + (
+            "No older complete checkpoint verifies: start over with --overwrite (deletes the "
+            "run directory's contents) or choose another --run-dir"
+        )
+    return out + (
+        f"The newest older checkpoint that verifies is {fallback} ({checkpoint_step(fallback)} "
+        f"step(s) done). To continue from it, move {exc.checkpoint.name} out of {ckpt_dir} "
+        "(or delete it) and run again with --resume; the steps after it are trained again"
+    )
+
+
+_MISSING = object()
+
+
+def _dotted(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+def resume_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``"key: old (saved) -> new (now)"`` for each :data:`RESUME_FIXED_KEYS` entry that
+    differs (keys the saved config does not have are skipped)."""
+    out = []
+    for key in RESUME_FIXED_KEYS:
+        old, new = _dotted(saved, key), _dotted(now, key)
+        if old is not _MISSING and old != new:
+            shown = "(absent)" if new is _MISSING else repr(new)
+            out.append(f"{key}: {old!r} (saved) -> {shown} (now)")
+    return out
+
+
+def _check_resume_config(cfg: DriverConfig, checkpoint: Path, run_dir: Path) -> None:
+    """Refuse a resume whose config changes what the saved state means."""
+    saved = json.loads((checkpoint / "driver.json").read_text()).get("config")
+    source = checkpoint / "driver.json"
+    if not isinstance(saved, dict) and (run_dir / "config.yaml").is_file():
+        saved, source = (
+            yaml.safe_load((run_dir / "config.yaml").read_text()),
+            run_dir / "config.yaml",
+        )
+    if not isinstance(saved, dict):
+        return
+    changes = resume_config_changes(saved, cfg.to_dict())
+    if changes:
+        raise StartupError(
+            f"--resume: {len(changes)} key(s) differ from the config the run in {run_dir} was "
+            f"saved with ({source}), and they fix the meaning of its saved state:\n"
+            + "".join(f"  - {c}\n" for c in changes)
+            + "Continue with the saved values, or start a new run (--overwrite, or another "
+            "--run-dir)"
+        )
+
+
+def last_checkpoint_note(run_dir: str | Path) -> str:
+    """Where a stopped run can be continued from, for the user."""
+    run_dir = Path(run_dir)
+    latest = find_latest(run_dir / "checkpoints")
+    if latest is None:
+        return f"no checkpoint was written in {run_dir}: --resume would start from step 0"
+    return f"last complete checkpoint: {latest} ({checkpoint_step(latest)} step(s) done)"
+
+
+# ------------------------------------------------------------------- signals
+
+
+class _Interrupt(BaseException):
+    """Raised in the main thread by the SIGINT/SIGTERM handler of a running ``train``."""
+
+
+class _SignalGuard:
+    """SIGINT and SIGTERM stop ``train`` cleanly: the first one raises :class:`_Interrupt`
+    in the main thread (after the checkpoint being written, if one is), later ones only
+    log while the teardown runs. Main thread only (elsewhere Python allows no handlers);
+    installed again after ``ray.init``, which sets its own SIGTERM handler (an exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._raised = False
+        self._defer = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            log.warning("%s: already stopping (shutting down); SIGKILL forces an exit", name)
+            return
+        self.received = signum
+        if self._defer:
+            log.warning("%s: stopping once the checkpoint being written is complete", name)
+            return
+        log.warning("%s: stopping; shutting down the workers, the engines and Ray", name)
+        self._raise()
+
+    def _raise(self) -> None:
+        self._raised = True
+        raise _Interrupt(self.received)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A signal arriving inside takes effect when the block completes."""
+        self._defer += 1
+        try:
+            yield
+        finally:
+            self._defer -= 1
+        if not self._defer and self.received is not None and not self._raised:
+            log.warning("checkpoint complete; stopping")
+            self._raise()
+
+
 # ------------------------------------------------------------------- the run
 
 
@@ -194,21 +555,90 @@ def train(
     *,
     run_dir: str | Path,
     resume: bool = False,
+    overwrite: bool = False,
     fail_at: str | None = None,
     on_step: Callable[[StepReport], None] | None = None,
     keep_ray: bool = False,
 ) -> RunResult:
     """Run ``cfg.run.num_steps`` PPO steps (from the newest checkpoint with ``resume``).
 
+    Before anything starts (no Ray, no workers), refused with :class:`StartupError`: a
+    run directory that cannot be written, one another run holds (an exclusive lock for
+    the life of the run), a non-empty one without ``resume`` or ``overwrite`` (which
+    empties it), a damaged newest checkpoint or a config that changes the meaning of the
+    saved state (``resume``), a malformed ``fail_at``.
+
+    SIGINT and SIGTERM (main thread) stop the run cleanly: a checkpoint being written is
+    completed, workers, engines and Ray are shut down, then :class:`RunStopped` is raised.
+
     ``fail_at="<step>:<point>"`` (or the ``PPO_DRIVER_FAIL_AT`` environment variable)
     raises :class:`~ppo_driver.pump.InjectedFailure` at a named point: ``after_chunks``,
     ``after_policy_update``, ``before_critic``, ``after_step`` or ``checkpoint``.
     ``keep_ray`` leaves the Ray cluster up (tests share one per module).
     """
+    t_run = time.perf_counter()
+    fail_at = parse_fail_at(fail_at if fail_at is not None else os.environ.get(FAIL_ENV))
+    if resume and overwrite:
+        raise StartupError("--resume and --overwrite exclude each other: choose one")
+    run_dir = Path(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    guard = _SignalGuard()
+    guard.install()
+    lock: RunLock | None = None
+    try:
+        _open_run_dir(run_dir)
+        lock = RunLock.acquire(run_dir)
+        removed = _claim_contents(run_dir, resume=resume, overwrite=overwrite)
+        latest = _checkpoint_to_resume(ckpt_dir) if resume else None
+        if latest is not None:
+            _check_resume_config(cfg, latest, run_dir)
+        handler = _setup_logging(run_dir)
+        try:
+            if removed:
+                log.info("--overwrite: removed %s from %s", ", ".join(removed), run_dir)
+            if resume and latest is None:
+                log.info("--resume: no complete checkpoint under %s; starting at step 0", ckpt_dir)
+            return _run(
+                cfg,
+                run_dir=run_dir,
+                latest=latest,
+                fail_at=fail_at,
+                on_step=on_step,
+                keep_ray=keep_ray,
+                guard=guard,
+                t_run=t_run,
+            )
+        finally:
+            logging.getLogger("ppo_driver").removeHandler(handler)
+            handler.close()
+    except BaseException as exc:
+        if guard.received is None:
+            raise
+        stopped = RunStopped(guard.received, run_dir=run_dir, checkpoint=find_latest(ckpt_dir))
+        raise stopped from (None if isinstance(exc, _Interrupt) else exc)
+    finally:
+        guard.restore()
+        if lock is not None:
+            lock.release()
+
+
+def _run(
+    cfg: DriverConfig,
+    *,
+    run_dir: Path,
+    latest: Path | None,
+    fail_at: str | None,
+    on_step: Callable[[StepReport], None] | None,
+    keep_ray: bool,
+    guard: _SignalGuard,
+    t_run: float,
+) -> RunResult:
+    """Build (cluster, worker groups, engines, data) -> resume -> the step loop ->
+    teardown (of whatever was built, however the run ends)."""
     import ray
     import torch
     from ppo_placement import start_local_ray
-    from ppo_sampler import SamplerConfig, make_sampler
+    from ppo_sampler import SamplerConfig, group_alignment, make_sampler
     from ppo_trainer import ActorWorker, CriticWorker, gae, masked_whiten
 
     from ppo_driver.rollout import (
@@ -223,197 +653,222 @@ def train(
         synthetic_records,
     )
 
-    t_run = time.perf_counter()
-    fail_at = fail_at or os.environ.get(FAIL_ENV) or None
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handler = _setup_logging(run_dir)
     ckpt_dir = run_dir / "checkpoints"
-    latest = find_latest(ckpt_dir) if resume else None
-    if resume and latest is None:
-        log.info("--resume: no complete checkpoint under %s; starting from step 0", ckpt_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     torch.manual_seed(cfg.run.seed)
+    cleanup = ExitStack()  # teardown, last built first; each step runs even if one fails
 
-    # ---- cluster, placement, workers, engines
-    started_here = not ray.is_initialized()
-    layout = _layout(cfg)
-    start_local_ray(
-        num_gpus=layout.num_gpus,
-        num_cpus=cfg.cluster.num_cpus
-        or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
-    )
-    from ppo_driver.workers import TrainGroup
+    def on_exit(what: str, fn: Callable[[], object]) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # teardown goes on: leave nothing behind
+                log.warning("teardown: %s failed: %s", what, exc)
 
-    log.info("start-up: Ray up after %.1f s", time.perf_counter() - t_run)
+        cleanup.callback(run)
 
-    tokenizer = CharTokenizer(TASK_ALPHABET)
-    actor_cfg, critic_cfg = build_trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
-    placement = _placement(layout)
-    actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
-    critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
-    rollout_slots = list(placement.rollout_view())
-    engine_slots = [rollout_slots[i % len(rollout_slots)] for i in range(cfg.rollout.num_engines)]
-    engines = launch_embedded_engines(
-        cfg.rollout.num_engines,
-        model=actor_cfg.model,
-        run_seed=cfg.run.seed,
-        scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
-        num_cpus=engine_slots[0].num_cpus,
-        num_gpus=engine_slots[0].num_gpus,
-        step_delay_s=cfg.rollout.decode_delay_s,
-    )
-    actor.ready()
-    critic.ready()
-    ray.get([e.health.remote() for e in engines])
-    log.info(
-        "start-up: workers and %d engine(s) ready after %.1f s",
-        len(engines),
-        time.perf_counter() - t_run,
-    )
-    refitter = WeightRefitter(actor=actor.handles[0], engines=engines)
-    generation = _Generation(engines, refitter)
-
-    sampler = make_sampler(
-        SamplerConfig(
-            num_prompts_per_step=cfg.batch_groups,
-            min_groups_for_streaming_train=cfg.min_groups,
-            name=cfg.async_rl.sampler.name,
-            max_lookahead_versions=cfg.async_rl.sampler.max_lookahead_versions,
-            max_staleness_versions=cfg.async_rl.sampler.max_staleness_versions,
-            evict_stale=cfg.async_rl.sampler.evict_stale,
+    with cleanup:
+        # ---- cluster, placement, workers, engines
+        started_here = not ray.is_initialized()
+        layout = _layout(cfg)
+        if started_here and not keep_ray:
+            on_exit("ray.shutdown", ray.shutdown)
+        start_local_ray(
+            num_gpus=layout.num_gpus,
+            num_cpus=cfg.cluster.num_cpus
+            or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
         )
-    )
-    records = synthetic_records(
-        num_prompts=4096, seed=cfg.run.seed, max_count=int(cfg.rollout.extra.get("max_count", 8))
-    )
-    dataset = PromptDataset(records, tokenizer)
-    reward_fn = load_reward_fn(cfg.rollout.reward) if cfg.rollout.reward else repeat_reward
-    lookahead = cfg.async_rl.sampler.max_lookahead_versions
-    manager = RolloutManager(
-        engines=engines,
-        dataset=dataset,
-        sampler=sampler,
-        reward_fn=reward_fn,
-        params=SamplingParams(
-            n=cfg.ppo.num_generations_per_prompt,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=(tokenizer.eos_id,),
-        ),
-        prompts_per_step=cfg.batch_groups,
-        max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
-        groups_per_call=1,
-    )
-    from ppo_sampler import group_alignment
+        guard.install()  # ray.init replaced the SIGTERM handler with its own
+        from ppo_driver.workers import TrainGroup
 
-    alignment = group_alignment(
-        generations_per_prompt=cfg.ppo.num_generations_per_prompt,
-        actor_dp=cfg.cluster.actor_gpus,
-        critic_dp=cfg.cluster.actor_gpus,
-        actor_micro_batch=cfg.policy.train_micro_batch_size,
-        critic_micro_batch=cfg.critic.train_micro_batch_size,
-    )
-    trace = TraceRecorder(origin=t_run)
-    pump = TrainPump(
-        cfg,
-        actor=actor,
-        critic=critic,
-        rollout=manager,
-        generation=generation,
-        sampler=sampler,
-        alignment=alignment,
-        pad_id=tokenizer.pad_id,
-        trace=trace,
-        gae=gae,
-        whiten=masked_whiten,
-        fail_at=fail_at,
-        step_of=manager.buffer.step_of,
-    )
+        log.info("start-up: Ray up after %.1f s", time.perf_counter() - t_run)
 
-    # ---- resume
-    resumed_from: int | None = None
-    if latest is not None:
-        data = load_checkpoint(latest)
-        actor.call("load_checkpoint", str(latest / "actor"))
-        critic.call("load_checkpoint", str(latest / "critic"))
-        state = data.state
-        sampler.load_state_dict(state["sampler"])
-        rollout_tensors = {
-            k[len("rollout/") :]: v for k, v in data.tensors.items() if k.startswith("rollout/")
-        }
-        manager.load_state_dict(state["rollout"], rollout_tensors)
-        restore_rng(state["rng"], data.tensors)
-        pump.completed_steps = int(state["completed_steps"])
-        pump.weight_version = int(state["weight_version"])
-        resumed_from = pump.completed_steps
-        if pump.weight_version > 0:
-            generation.refit(version=pump.weight_version)  # engines get the checkpoint's policy
+        tokenizer = CharTokenizer(TASK_ALPHABET)
+        actor_cfg, critic_cfg = build_trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
+        placement = _placement(layout)
+        on_exit("placement teardown", placement.teardown)
+        actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
+        on_exit("actor workers", actor.kill)
+        critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
+        on_exit("critic workers", critic.kill)
+        rollout_slots = list(placement.rollout_view())
+        engine_slots = [
+            rollout_slots[i % len(rollout_slots)] for i in range(cfg.rollout.num_engines)
+        ]
+        engines = launch_embedded_engines(
+            cfg.rollout.num_engines,
+            model=actor_cfg.model,
+            run_seed=cfg.run.seed,
+            scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
+            num_cpus=engine_slots[0].num_cpus,
+            num_gpus=engine_slots[0].num_gpus,
+            step_delay_s=cfg.rollout.decode_delay_s,
+        )
+        for engine in engines:
+            on_exit("engine", partial(ray.kill, engine))
+        actor.ready()
+        critic.ready()
+        ray.get([e.health.remote() for e in engines])
         log.info(
-            "resumed from %s: %d step(s) done, weight version %d",
-            latest.name,
-            pump.completed_steps,
-            pump.weight_version,
+            "start-up: workers and %d engine(s) ready after %.1f s",
+            len(engines),
+            time.perf_counter() - t_run,
         )
-    pump.residency.start()
+        refitter = WeightRefitter(actor=actor.handles[0], engines=engines)
+        generation = _Generation(engines, refitter)
 
-    metrics_writer = MetricsWriter(
-        run_dir / "metrics.jsonl", keep_steps_below=pump.completed_steps if resume else None
-    )
-    result = RunResult(
-        run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from
-    )
-    mode = "streaming" if cfg.streaming else "full-batch"
-    log.info(
-        "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
-        mode,
-        cfg.batch_groups,
-        cfg.ppo.num_generations_per_prompt,
-        cfg.min_groups,
-        cfg.run.num_steps,
-        run_dir,
-    )
-
-    def checkpoint(step_done: int) -> None:
-        if pump.in_update:  # pragma: no cover - the loop only calls between steps
-            raise RuntimeError("checkpoint requested inside an update")
-
-        def write_models(tmp: Path) -> None:
-            pump.residency.save_both(
-                lambda role: (actor if role == "actor" else critic).call(
-                    "save_checkpoint", str(tmp / role)
-                ),
-                step=step_done,
+        sampler = make_sampler(
+            SamplerConfig(
+                num_prompts_per_step=cfg.batch_groups,
+                min_groups_for_streaming_train=cfg.min_groups,
+                name=cfg.async_rl.sampler.name,
+                max_lookahead_versions=cfg.async_rl.sampler.max_lookahead_versions,
+                max_staleness_versions=cfg.async_rl.sampler.max_staleness_versions,
+                evict_stale=cfg.async_rl.sampler.evict_stale,
             )
+        )
+        records = synthetic_records(
+            num_prompts=4096,
+            seed=cfg.run.seed,
+            max_count=int(cfg.rollout.extra.get("max_count", 8)),
+        )
+        dataset = PromptDataset(records, tokenizer)
+        reward_fn = load_reward_fn(cfg.rollout.reward) if cfg.rollout.reward else repeat_reward
+        lookahead = cfg.async_rl.sampler.max_lookahead_versions
+        manager = RolloutManager(
+            engines=engines,
+            dataset=dataset,
+            sampler=sampler,
+            reward_fn=reward_fn,
+            params=SamplingParams(
+                n=cfg.ppo.num_generations_per_prompt,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                stop_token_ids=(tokenizer.eos_id,),
+            ),
+            prompts_per_step=cfg.batch_groups,
+            max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
+            groups_per_call=1,
+        )
+        alignment = group_alignment(
+            generations_per_prompt=cfg.ppo.num_generations_per_prompt,
+            actor_dp=cfg.cluster.actor_gpus,
+            critic_dp=cfg.cluster.actor_gpus,
+            actor_micro_batch=cfg.policy.train_micro_batch_size,
+            critic_micro_batch=cfg.critic.train_micro_batch_size,
+        )
+        trace = TraceRecorder(origin=t_run)
+        mode = "streaming" if cfg.streaming else "full-batch"
 
-        def crash_hook(point: str) -> None:
-            if fail_at == f"{step_done}:checkpoint" and point == "after_models":
-                raise InjectedFailure(f"injected failure while writing checkpoint {step_done}")
+        def write_outputs() -> None:
+            trace.write(run_dir / "trace.json")
+            metrics_path = run_dir / "metrics.jsonl"
+            rows = read_metrics(metrics_path) if metrics_path.exists() else []
+            if rows:
+                plot_rewards(
+                    rows, run_dir / "reward.png", title=f"{cfg.run.name}: mean reward ({mode})"
+                )
 
-        rollout_meta, rollout_tensors = manager.state_dict()
-        rng_json, rng_tensors = rng_state()
-        tensors = {**rng_tensors, **{f"rollout/{k}": v for k, v in rollout_tensors.items()}}
-        with trace.span("checkpoint", step=step_done - 1, phase="checkpoint"):
-            path = save_checkpoint(
-                ckpt_dir,
-                step_done,
-                state={
-                    "completed_steps": pump.completed_steps,
-                    "weight_version": pump.weight_version,
-                    "sampler": sampler.state_dict(),
-                    "rollout": rollout_meta,
-                    "rng": rng_json,
-                    "config": cfg.to_dict(),
-                },
-                tensors=tensors,
-                write_models=write_models,
-                keep=cfg.run.keep_checkpoints,
-                crash_hook=crash_hook,
+        on_exit("trace and reward plot", write_outputs)
+        pump = TrainPump(
+            cfg,
+            actor=actor,
+            critic=critic,
+            rollout=manager,
+            generation=generation,
+            sampler=sampler,
+            alignment=alignment,
+            pad_id=tokenizer.pad_id,
+            trace=trace,
+            gae=gae,
+            whiten=masked_whiten,
+            fail_at=fail_at,
+            step_of=manager.buffer.step_of,
+        )
+
+        # ---- resume
+        resumed_from: int | None = None
+        if latest is not None:
+            data = load_checkpoint(latest)
+            actor.call("load_checkpoint", str(latest / "actor"))
+            critic.call("load_checkpoint", str(latest / "critic"))
+            state = data.state
+            sampler.load_state_dict(state["sampler"])
+            rollout_tensors = {
+                k[len("rollout/") :]: v for k, v in data.tensors.items() if k.startswith("rollout/")
+            }
+            manager.load_state_dict(state["rollout"], rollout_tensors)
+            restore_rng(state["rng"], data.tensors)
+            pump.completed_steps = int(state["completed_steps"])
+            pump.weight_version = int(state["weight_version"])
+            resumed_from = pump.completed_steps
+            if pump.weight_version > 0:
+                generation.refit(version=pump.weight_version)  # the checkpoint's policy
+            log.info(
+                "resumed from %s: %d step(s) done, weight version %d",
+                latest.name,
+                pump.completed_steps,
+                pump.weight_version,
             )
-        log.info("checkpoint %s", path)
+        pump.residency.start()
 
-    try:
+        metrics_writer = MetricsWriter(
+            run_dir / "metrics.jsonl",
+            keep_steps_below=pump.completed_steps if latest is not None else None,
+        )
+        on_exit("metrics file", metrics_writer.close)
+        result = RunResult(
+            run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from
+        )
+        log.info(
+            "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
+            mode,
+            cfg.batch_groups,
+            cfg.ppo.num_generations_per_prompt,
+            cfg.min_groups,
+            cfg.run.num_steps,
+            run_dir,
+        )
+
+        def checkpoint(step_done: int) -> None:
+            if pump.in_update:  # pragma: no cover - the loop only calls between steps
+                raise RuntimeError("checkpoint requested inside an update")
+
+            def write_models(tmp: Path) -> None:
+                pump.residency.save_both(
+                    lambda role: (actor if role == "actor" else critic).call(
+                        "save_checkpoint", str(tmp / role)
+                    ),
+                    step=step_done,
+                )
+
+            def crash_hook(point: str) -> None:
+                if fail_at == f"{step_done}:checkpoint" and point == "after_models":
+                    raise InjectedFailure(f"injected failure while writing checkpoint {step_done}")
+
+            rollout_meta, rollout_tensors = manager.state_dict()
+            rng_json, rng_tensors = rng_state()
+            tensors = {**rng_tensors, **{f"rollout/{k}": v for k, v in rollout_tensors.items()}}
+            with trace.span("checkpoint", step=step_done - 1, phase="checkpoint"):
+                path = save_checkpoint(
+                    ckpt_dir,
+                    step_done,
+                    state={
+                        "completed_steps": pump.completed_steps,
+                        "weight_version": pump.weight_version,
+                        "sampler": sampler.state_dict(),
+                        "rollout": rollout_meta,
+                        "rng": rng_json,
+                        "config": cfg.to_dict(),
+                    },
+                    tensors=tensors,
+                    write_models=write_models,
+                    keep=cfg.run.keep_checkpoints,
+                    crash_hook=crash_hook,
+                )
+            log.info("checkpoint %s", path)
+
         while pump.completed_steps < cfg.run.num_steps:
             report = pump.run_step()
             result.reports.append(report)
@@ -435,26 +890,8 @@ def train(
             if (
                 every and pump.completed_steps % every == 0
             ) or pump.completed_steps == cfg.run.num_steps:
-                checkpoint(pump.completed_steps)
-    finally:
-        metrics_writer.close()
-        trace.write(run_dir / "trace.json")
-        rows = (
-            read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-        )
-        if rows:
-            plot_rewards(
-                rows, run_dir / "reward.png", title=f"{cfg.run.name}: mean reward ({mode})"
-            )
-        for group in (actor, critic):
-            group.kill()
-        for engine in engines:
-            ray.kill(engine)
-        placement.teardown()
-        if started_here and not keep_ray:
-            ray.shutdown()
-        logging.getLogger("ppo_driver").removeHandler(handler)
-        handler.close()
+                with guard.deferred():  # a stop signal waits for the checkpoint to complete
+                    checkpoint(pump.completed_steps)
     result.wall_s = time.perf_counter() - t_run
     _summary(result, cfg)
     return result

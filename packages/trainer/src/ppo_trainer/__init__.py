@@ -4,7 +4,7 @@ Public API (see the package README and docs/interfaces.md):
 
 * math: ``gae`` (pinned), ``policy_loss``, ``value_loss``, ``kl_penalty``,
   ``entropy_from_logits``, ``logprobs_from_logits``, ``masked_mean``, ``masked_sum``,
-  ``masked_whiten``, ``aggregate_loss``, ``check_reward_kl``;
+  ``masked_whiten``, ``aggregate_loss``, ``check_reward_kl``, ``MAX_LOG_RATIO``;
 * configs: ``ModelSpec``, ``ActorConfig``, ``CriticConfig``;
 * workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``;
 * Hugging Face models: ``build_causal_lm``, ``build_value_model``, ``save_hf_checkpoint``;
@@ -33,6 +33,7 @@ from ppo_trainer._config import (
     ModelSpec,
 )
 from ppo_trainer._math import (
+    MAX_LOG_RATIO,
     PolicyLoss,
     ValueLoss,
     aggregate_loss,
@@ -59,6 +60,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCHEDULERS",
+    "MAX_LOG_RATIO",
     "OFFLOAD_BACKENDS",
     "ActorConfig",
     "ActorWorker",

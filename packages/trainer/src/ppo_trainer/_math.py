@@ -2,8 +2,19 @@
 
 Every function takes keyword-only arguments, checks shapes up front (``ValueError``
 naming the argument) and never mutates its inputs. ``mask`` is 1.0 at the positions a
-loss uses and 0.0 elsewhere; masked positions never influence a result. Plain-loop
-references live in ``ppo_trainer._reference`` and the tests check they agree.
+loss uses and 0.0 elsewhere; masked positions never influence a result, its gradient
+included: a masked position may hold anything (``inf``, ``nan``, a log-ratio of 100)
+and still gets a gradient of exactly 0 while every other gradient stays finite.
+
+How: each input is replaced by 0 at masked positions with ``torch.where`` BEFORE any
+nonlinearity (``exp``, squares). Masking only the result is not enough: the forward
+pass is fine, but backward multiplies the zero upstream gradient by the local
+derivative, and ``0 * inf = nan`` (float32 ``exp`` overflows at a log-ratio of ~88.7)
+then reaches every parameter. ``torch.where`` routes no gradient to the branch it did
+not select, so nothing from a masked position survives.
+
+Plain-loop references live in ``ppo_trainer._reference`` and the tests check they
+agree, values and gradients.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "MAX_LOG_RATIO",
     "PolicyLoss",
     "ValueLoss",
     "aggregate_loss",
@@ -28,6 +40,29 @@ __all__ = [
     "policy_loss",
     "value_loss",
 ]
+
+
+MAX_LOG_RATIO = 20.0
+"""Bound on ``|log-ratio|`` before ``exp`` (importance ratio and k3 KL), as in verl.
+
+``exp(20) ~ 4.9e8`` is finite in float32 and float64 (the dtypes of the log-probs here:
+``logprobs_from_logits`` upcasts half precision), so an unmasked extreme token gives a
+finite loss and finite gradients. Beyond the bound the value saturates and the gradient
+through that token's ratio is 0 (a token whose probability changed by a factor above
+``4.9e8`` is treated as an outlier, not followed). For ``|log-ratio| <= 20`` nothing
+changes.
+"""
+
+
+def _valid_only(values: Tensor, valid: Tensor) -> Tensor:
+    """``values`` with 0 at the masked positions (``valid`` False), taken before any
+    nonlinearity: no masked value reaches the forward result or the gradient."""
+    return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _at_least_float32(t: Tensor) -> Tensor:
+    """Upcast half-precision logits to float32; float32 and float64 stay as they are."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _check_2d(**tensors: Tensor) -> None:
@@ -129,40 +164,69 @@ def gae(
 
 
 def logprobs_from_logits(*, logits: Tensor, labels: Tensor) -> Tensor:
-    """``log softmax(logits)[..., labels]``: ``logits [..., V]``, ``labels [...]`` -> ``[...]``."""
+    """``log softmax(logits)[..., labels]``: ``logits [..., V]``, ``labels [...]`` -> ``[...]``.
+
+    Computed in float32 (float64 logits stay float64). ``-inf`` logits (a vocabulary
+    mask) are fine: the log-sum-exp is stable and the gradient is ``onehot - softmax``.
+    """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"labels has shape {tuple(labels.shape)} but logits has {tuple(logits.shape)}; "
             "labels must match logits without the vocabulary dimension"
         )
-    logits = logits.float()
+    logits = _at_least_float32(logits)
     picked = torch.gather(logits, -1, labels.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(*, logits: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)``: ``logits [..., V]`` -> ``[...]`` (float32)."""
+    """Entropy of ``softmax(logits)``: ``logits [..., V]`` -> ``[...]``.
+
+    ``H = logsumexp(z) - sum(p * z)``, in float32 (float64 logits stay float64). Entries
+    with ``p == 0`` (``-inf`` logits, or underflow) are left out of ``sum(p * z)``:
+    ``0 * -inf`` would be ``nan`` in the value and the gradient; their true term is 0.
+    """
     if logits.dim() < 1:
         raise ValueError("logits must have a vocabulary dimension, got a scalar")
-    logits = logits.float()
+    logits = _at_least_float32(logits)
     logz = torch.logsumexp(logits, dim=-1)
     probs = torch.softmax(logits, dim=-1)
-    return logz - (probs * logits).sum(dim=-1)
+    finite = torch.where(probs > 0, logits, torch.zeros((), dtype=logits.dtype))
+    return logz - (probs * finite).sum(dim=-1)
 
 
-def kl_penalty(*, logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token KL(policy || reference) estimate for the KL *loss*: ``[B, T]`` -> ``[B, T]``.
+def kl_penalty(
+    *, logprobs: Tensor, ref_logprobs: Tensor, estimator: str, mask: Tensor | None = None
+) -> Tensor:
+    """Per-token estimate of KL(policy || reference) for the KL *loss*: ``[B, T]`` -> ``[B, T]``.
 
-    With ``log_r = ref_logprobs - logprobs``: ``k1 = -log_r``, ``k2 = log_r**2 / 2``,
-    ``k3 = exp(log_r) - 1 - log_r`` (non-negative, unbiased, low variance).
+    Direction: the tokens were sampled from the policy (the rollout policy, which the
+    current one equals up to the update), so these estimate
+    ``KL(pi || ref) = E_{x ~ pi}[log pi(x) - log ref(x)]`` (Schulman's k1/k2/k3 with
+    ``r = ref(x) / pi(x)``). With ``log_r = ref_logprobs - logprobs``:
+
+    * ``k1 = -log_r`` (unbiased, can be negative; verl's ``kl``),
+    * ``k2 = log_r**2 / 2`` (biased, non-negative; verl's ``mse``),
+    * ``k3 = exp(log_r) - 1 - log_r`` (unbiased, non-negative, low variance; verl's
+      ``low_var_kl``), with ``log_r`` clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]``
+      before ``exp`` so an extreme token stays finite (its gradient is 0 beyond the bound).
+
+    ``mask`` (``[B, T]``, optional): positions with 0 get 0 and exactly zero gradient
+    whatever they hold; pass it whenever masked positions may hold arbitrary values (the
+    loss is reduced with ``aggregate_loss`` over the same mask). ``None``: every position
+    is treated as valid.
     """
     _check_2d(logprobs=logprobs, ref_logprobs=ref_logprobs)
     log_r = ref_logprobs - logprobs
+    if mask is not None:
+        _check_same(logprobs, mask, name="logprobs")
+        log_r = _valid_only(log_r, mask.bool())
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * log_r * log_r
     if estimator == "k3":
+        log_r = torch.clamp(log_r, -MAX_LOG_RATIO, MAX_LOG_RATIO)
         return torch.expm1(log_r) - log_r
     raise ValueError(f"kl_estimator={estimator!r} is unknown: use 'k1', 'k2' or 'k3'")
 
@@ -230,12 +294,18 @@ def policy_loss(
 ) -> PolicyLoss:
     """Clipped PPO surrogate, optionally dual-clipped. All inputs ``[B, T]``.
 
-    ``ratio = exp(logprobs - old_logprobs)``; per token
+    ``log_ratio = logprobs - old_logprobs``, clamped to ``[-MAX_LOG_RATIO,
+    MAX_LOG_RATIO]`` (as verl does: ``exp`` of an unmasked extreme token stays finite;
+    beyond the bound that token's ratio saturates and passes no gradient);
+    ``ratio = exp(log_ratio)``; per token
     ``l = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))``; with
     ``dual_clip = c > 1``, tokens with ``A < 0`` use ``min(l, -c * A)``. The per-token
-    loss is reduced by ``aggregate_loss(mode=loss_agg, denominator=...)``.
-    ``clipfrac``: share of valid tokens where the clipped branch is active;
-    ``approx_kl``: mean k3 estimate of KL(old || new) over valid tokens.
+    loss is reduced by ``aggregate_loss(mode=loss_agg, denominator=...)``. Masked
+    positions are set to 0 before ``exp``: they get exactly zero gradient whatever they
+    hold. ``clipfrac``: share of valid tokens where the clipped branch is active;
+    ``approx_kl``: mean over valid tokens of the k3 estimate of KL(old || new), the
+    direction that is unbiased for tokens sampled from the old policy:
+    ``(ratio - 1) - log_ratio`` (as Stable-Baselines3 and CleanRL).
     """
     _check_2d(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     high = eps_clip if eps_clip_high is None else eps_clip_high
@@ -245,7 +315,10 @@ def policy_loss(
         )
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip!r} is invalid: use a constant > 1 or None")
-    log_ratio = logprobs - old_logprobs
+    valid = mask.bool()
+    log_ratio = _valid_only(logprobs - old_logprobs, valid)
+    log_ratio = torch.clamp(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    advantages = _valid_only(advantages, valid)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + high)
@@ -258,7 +331,7 @@ def policy_loss(
     with torch.no_grad():
         clipped = (loss_clipped > loss_unclipped).to(logprobs.dtype)
         clipfrac = masked_mean(values=clipped, mask=mask)
-        approx_kl = masked_mean(values=torch.expm1(-log_ratio) + log_ratio, mask=mask)
+        approx_kl = masked_mean(values=torch.expm1(log_ratio) - log_ratio, mask=mask)
     return PolicyLoss(pg_loss=pg_loss, clipfrac=clipfrac, approx_kl=approx_kl)
 
 
@@ -277,9 +350,15 @@ def value_loss(
     Per token ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with
     ``V_clip = old_values + clip(V - old_values, -value_clip, value_clip)``;
     ``value_clip=None`` gives the plain ``0.5 * (V - R)^2``. Reduced like
-    ``aggregate_loss``. ``clipfrac``: share of valid tokens where the clipped term wins.
+    ``aggregate_loss``. Masked positions are set to 0 before squaring: they get exactly
+    zero gradient whatever they hold. ``clipfrac``: share of valid tokens where the
+    clipped term wins.
     """
     _check_2d(values=values, old_values=old_values, returns=returns, mask=mask)
+    valid = mask.bool()
+    values = _valid_only(values, valid)
+    old_values = _valid_only(old_values, valid)
+    returns = _valid_only(returns, valid)
     unclipped = (values - returns) ** 2
     if value_clip is None:
         per_token = 0.5 * unclipped

@@ -11,8 +11,11 @@ Models stay in eval mode (no dropout), so chunked and full-batch runs agree.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -310,10 +313,63 @@ def _multiplier(
     )
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def tcp_rendezvous_store(init_method: str, *, rank: int, world_size: int) -> Any | None:
+    """The store of a ``tcp://HOST:PORT`` rendezvous (``None`` for any other URL).
+
+    Rank 0 hosts it on a socket bound to ``HOST`` alone: torch's own store server (what
+    ``init_method=`` starts) listens on every interface whatever the URL says. With a
+    loopback ``HOST`` (one machine), gloo and NCCL stay on the loopback interface too
+    (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` default to ``lo``; a value already set
+    in the environment wins): left alone they listen on the host name's interface."""
+    url = urllib.parse.urlsplit(init_method)
+    if url.scheme != "tcp":
+        return None
+    host, port = url.hostname, url.port
+    if not host or port is None:
+        raise ValueError(f"dist_init_method={init_method!r}: use the form 'tcp://HOST:PORT'")
+    if _is_loopback(host):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    timeout = dist.constants.default_pg_timeout
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)  # type: ignore[attr-defined]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the socket from here on
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            port,
+            world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def init_process_group(
     *, rank: int, world_size: int, dist_init_method: str | None, device: torch.device
 ) -> None:
-    """Initialise (or reuse) the default process group for ``world_size > 1``."""
+    """Initialise (or reuse) the default process group for ``world_size > 1``. A
+    ``tcp://`` rendezvous listens on its host only (:func:`tcp_rendezvous_store`)."""
     if world_size == 1:
         return
     if dist.is_initialized():
@@ -329,9 +385,11 @@ def init_process_group(
             f"dist_init_method=None is invalid with world_size={world_size}: pass a "
             "rendezvous address such as 'tcp://10.0.0.1:29500' or 'file:///tmp/pg'"
         )
+    store = tcp_rendezvous_store(dist_init_method, rank=rank, world_size=world_size)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
-        init_method=dist_init_method,
+        init_method=None if store is not None else dist_init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
     )

@@ -112,6 +112,29 @@ def _cpu_cat(parts: list[Tensor]) -> Tensor:
     return torch.cat([p.to("cpu") for p in parts], dim=0)
 
 
+def _grad_norm(model: TrainModel) -> float:
+    """This rank's gradient 2-norm, computed as ``clip_grad_norm_`` does (per tensor, in
+    the gradients' dtype, then over the tensors), so it overflows where the update would."""
+    norms = [torch.linalg.vector_norm(g) for g in model.grads().values()]
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([n.to("cpu") for n in norms])))
+
+
+def _refuse_non_finite(model: TrainModel, where: str, values: Mapping[str, float]) -> None:
+    """Raise ``FloatingPointError`` naming the first non-finite quantity, BEFORE the
+    optimizer step (the accumulated gradients are discarded): a non-finite loss or
+    gradient norm would otherwise be clipped to a silent no-op or poison the weights."""
+    for name, value in values.items():
+        if not math.isfinite(value):
+            model.zero_grad()
+            raise FloatingPointError(
+                f"{where}: {name} = {value!r} is not finite; no optimizer step was taken "
+                "(gradients discarded). Look for rewards, returns or advantages far out of "
+                "range (e.g. a reward function returning huge values)"
+            )
+
+
 class _Lifecycle:
     """Idempotent sleep/wake_up shared by both workers (models are moved by the backend).
 
@@ -387,7 +410,10 @@ class ActorWorker(_Lifecycle):
         }
         if cfg.use_reference:
             kl = kl_penalty(
-                logprobs=logprobs, ref_logprobs=mb["ref_logprobs"], estimator=cfg.kl_estimator
+                logprobs=logprobs,
+                ref_logprobs=mb["ref_logprobs"],
+                estimator=cfg.kl_estimator,
+                mask=mask,
             )
             kl_loss = aggregate_loss(loss=kl, mask=mask, mode=cfg.loss_agg, denominator=denominator)
             loss = loss + cfg.kl_loss_coef * kl_loss
@@ -459,7 +485,11 @@ class ActorWorker(_Lifecycle):
                     "loss_denominator to every backward() instead of finish_step()"
                 )
             scaler(scale)
+        where = f"ActorWorker.finish_step() (policy update {self.global_step + 1})"
+        losses = {"loss/pg": totals["pg"], "loss/kl": totals["kl"]}
+        _refuse_non_finite(self._policy, where, {**losses, "loss/entropy": totals["entropy"]})
         self._policy.all_reduce_grads()
+        _refuse_non_finite(self._policy, where, {"actor/grad_norm": _grad_norm(self._policy)})
         stats = self._policy.step()
         self._policy.zero_grad()
         self.global_step += 1
@@ -622,7 +652,7 @@ class CriticWorker(_Lifecycle):
         }
         sums = {"v_loss": 0.0, "clipfrac": 0.0, "tokens": 0.0, "grad_norm": 0.0, "steps": 0.0}
         lr = 0.0
-        for _ in range(epochs):
+        for epoch in range(epochs):
             for start in range(0, b, mini_batch_size):
                 mini = {k: v[start : start + mini_batch_size] for k, v in tensors.items()}
                 m = mini["loss_mask"]
@@ -645,7 +675,14 @@ class CriticWorker(_Lifecycle):
                 v_loss, clip = self._backend.all_reduce_sum(
                     [sum(r["v_loss"] for r in results), sum(r["clipfrac"] for r in results)]
                 )
+                where = (
+                    f"CriticWorker.train() (epoch {epoch + 1}, mini-batch "
+                    f"{start // mini_batch_size + 1}, after {int(sums['steps'])} update(s))"
+                )
+                _refuse_non_finite(self._critic, where, {"loss/value": v_loss})
                 self._critic.all_reduce_grads()
+                grad_norm = _grad_norm(self._critic)
+                _refuse_non_finite(self._critic, where, {"critic/grad_norm": grad_norm})
                 stats = self._critic.step()
                 self._critic.zero_grad()
                 self.global_step += 1

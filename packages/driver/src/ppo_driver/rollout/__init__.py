@@ -22,6 +22,7 @@ from ._sglang import SglangEngine, parse_sglang_output
 from ._task import (
     PromptDataset,
     RewardError,
+    RewardFailure,
     RewardFn,
     ScoredGroup,
     load_jsonl,
@@ -33,6 +34,7 @@ from ._task import (
 from ._tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from ._types import (
     EngineHealth,
+    EngineRestarted,
     FinishReason,
     GroupOutput,
     GroupRequest,
@@ -46,6 +48,7 @@ __all__ = [
     "CharTokenizer",
     "EmbeddedEngine",
     "EngineHealth",
+    "EngineRestarted",
     "FinishReason",
     "GroupFailure",
     "GroupOutput",
@@ -55,6 +58,7 @@ __all__ = [
     "RefitStats",
     "ReplayBuffer",
     "RewardError",
+    "RewardFailure",
     "RewardFn",
     "RolloutEngine",
     "RolloutManager",

@@ -9,7 +9,9 @@ real engine (sglang's continuous batching), minus joining a round already runnin
 ``pause_generation``, ``health`` and the refit calls run beside them. A new weight
 version is received concurrently with generation, then swapped in under the lock, i.e.
 strictly between two rounds; every output carries the version that produced all of
-its samples.
+its samples. An engine that Ray restarted holds the weights it was built with, not the
+current policy: it refuses to generate (:class:`EngineRestarted`) until it has received
+weights (or the driver confirmed its initial ones are current).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_s
 from ._sampling import generate_rows, sample_seed
 from ._types import (
     EngineHealth,
+    EngineRestarted,
     GroupOutput,
     GroupRequest,
     SampleOutput,
     SamplingParams,
     check_requests,
+    restarted_by_ray,
 )
 
 _log = logging.getLogger(__name__)
@@ -108,12 +112,27 @@ class EmbeddedEngine:
         self._host_copy: dict[str, torch.Tensor] | None = None
         self._groups: dict[str, RefitGroup] = {}
         self._slow_step_s = float(step_delay_s)
+        self._needs_weights = restarted_by_ray()
+        if self._needs_weights:
+            _log.warning(
+                "engine %s was restarted by Ray: it holds its initial weights (version %d) "
+                "and generates again once it has received the current ones",
+                engine_id,
+                self.weight_version,
+            )
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
         """Generate every group; one output per request, in order. Returns when all of
-        them are done; groups of other calls waiting at the same time share the batch."""
+        them are done; groups of other calls waiting at the same time share the batch.
+        Raises :class:`EngineRestarted` while a restarted engine waits for weights."""
         check_requests(requests)
+        if self._needs_weights:
+            raise EngineRestarted(
+                f"engine {self.engine_id} was restarted by Ray and still holds its initial "
+                f"weights (version {self.weight_version}); it generates again once the "
+                "driver pushed the current weights (WeightRefitter.restore_engine)"
+            )
         tickets = [_Ticket(request=r, samples=[None] * r.params.n) for r in requests]
         with self._cv:
             self._queue.extend(tickets)
@@ -276,6 +295,7 @@ class EmbeddedEngine:
             paused=not self._unpaused.is_set(),
             memory_released=self._released,
             groups_served=self.groups_served,
+            needs_weights=self._needs_weights,
             extra={
                 "pid": os.getpid(),
                 "device": str(self.device),
@@ -299,6 +319,19 @@ class EmbeddedEngine:
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
             self.weight_version = int(version)
+            self._needs_weights = False
+        return self.weight_version
+
+    def confirm_weights(self, *, version: int) -> int:
+        """The driver vouches that this engine's weights are ``version`` (see
+        :class:`RolloutEngine`); a restarted engine generates again."""
+        with self._lock:
+            if version != self.weight_version:
+                raise ValueError(
+                    f"engine {self.engine_id}: holds version {self.weight_version}, not "
+                    f"{version}; push the weights instead"
+                )
+            self._needs_weights = False
         return self.weight_version
 
     def init_refit_group(
@@ -325,6 +358,9 @@ class EmbeddedEngine:
             backend=backend,
             local_addr=local,
         )
+
+    def close_refit_group(self, *, group_name: str) -> None:
+        self._groups.pop(group_name, None)
 
     def receive_weights(self, *, group_name: str) -> int:
         group = self._groups.get(group_name)

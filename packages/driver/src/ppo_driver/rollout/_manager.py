@@ -4,9 +4,16 @@ replay buffer and reports them ready to the sampler, and re-dispatches the group
 engine that died once it is back (exactly once per loss).
 
 Prompts are consumed in order: step ``s`` is filled with ``prompts_per_step`` groups;
-a group whose reward failed is recorded in :attr:`RolloutManager.failures` and replaced
-by the next prompt for the same step, so every step still gets its full batch. The
-group id is the global prompt index.
+a group whose reward failed (raised, timed out, or returned something that is not a
+real number) is recorded in :attr:`RolloutManager.failures` and replaced by the next
+prompt for the same step, so every step still gets its full batch; after
+``max_consecutive_group_failures`` failures in a row the manager raises
+:class:`RewardFailure` instead of retrying forever. The group id is the global prompt
+index.
+
+An engine that Ray restarted holds its initial weights: it generates nothing
+(:class:`EngineRestarted`) until ``on_engine_restart`` brought it to the current weights,
+and the manager stops with an error if it is still stale afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -24,8 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ._buffer import ReplayBuffer, build_batch
-from ._task import PromptDataset, RewardError, RewardFn, score_group
-from ._types import GroupOutput, GroupRequest, SamplingParams
+from ._task import PromptDataset, RewardError, RewardFailure, RewardFn, score_group
+from ._types import EngineRestarted, GroupOutput, GroupRequest, SamplingParams
 
 _log = logging.getLogger(__name__)
 _FORMAT = 1
@@ -61,7 +69,13 @@ class RolloutManager:
         buffer: the replay buffer (a new one by default).
         groups_per_call: groups sent to an engine in one ``generate`` call.
         on_engine_restart: called as ``hook(index, handle)`` when a restarted engine is
-            back, before it gets work (e.g. to push the current weights to it).
+            back, before it gets work, to push the current weights to it
+            (:meth:`WeightRefitter.restore_engine`). Without it a restarted engine stops
+            the run (it would only serve its initial weights).
+        reward_timeout_s: a reward call that takes longer fails its group (``None`` or
+            0: no limit); see :func:`score_group`.
+        max_consecutive_group_failures: raise :class:`RewardFailure` when this many
+            groups fail in a row (``None``: never).
     """
 
     def __init__(
@@ -77,6 +91,8 @@ class RolloutManager:
         buffer: ReplayBuffer | None = None,
         groups_per_call: int = 1,
         on_engine_restart: Callable[[int, Any], None] | None = None,
+        reward_timeout_s: float | None = 60.0,
+        max_consecutive_group_failures: int | None = 32,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -86,6 +102,15 @@ class RolloutManager:
             raise ValueError(f"max_in_flight={max_in_flight}: allow at least one group in flight")
         if groups_per_call < 1:
             raise ValueError(f"groups_per_call={groups_per_call}: use at least 1")
+        if reward_timeout_s is not None and not reward_timeout_s >= 0:
+            raise ValueError(
+                f"reward_timeout_s={reward_timeout_s}: use seconds > 0, or 0 for no limit"
+            )
+        if max_consecutive_group_failures is not None and max_consecutive_group_failures < 1:
+            raise ValueError(
+                f"max_consecutive_group_failures={max_consecutive_group_failures}: use at "
+                "least 1 (None: never stop)"
+            )
         self.engines = list(engines)
         self.dataset = dataset
         self.sampler = sampler
@@ -96,6 +121,10 @@ class RolloutManager:
         self.buffer = buffer if buffer is not None else ReplayBuffer()
         self.groups_per_call = groups_per_call
         self.on_engine_restart = on_engine_restart
+        self.reward_timeout_s = reward_timeout_s or None
+        self.max_consecutive_group_failures = max_consecutive_group_failures
+        self._failure_streak = 0
+        self._streak_start = ""  # the first failure of the current streak, with traceback
         # dispatch position
         self.next_prompt = 0
         self._fill_step = 0
@@ -199,13 +228,13 @@ class RolloutManager:
         call = self._in_flight.pop(ref)
         try:
             outputs: list[GroupOutput] = ray.get(ref)
-        except RayActorError as exc:
+        except (RayActorError, EngineRestarted) as exc:
             _log.warning(
-                "engine %d died with %d group(s) in flight (%s); they will be re-dispatched "
-                "once it is back",
+                "engine %d %s with %d group(s) in flight; they will be re-dispatched once "
+                "it is back with the current weights",
                 call.engine,
+                "was restarted" if isinstance(exc, EngineRestarted) else "died",
                 len(call.groups),
-                type(exc).__name__,
             )
             self._mark_dead(call.engine)
             for g, s in reversed(call.groups):
@@ -221,17 +250,36 @@ class RolloutManager:
                     record=self.dataset.record(gid),
                     reward_fn=self.reward_fn,
                     tokenizer=self.dataset.tokenizer,
+                    timeout_s=self.reward_timeout_s,
                 )
             except RewardError as exc:
-                _log.error("group %d (step %d) failed and is not trained on: %s", gid, step, exc)
-                self.failures.append(GroupFailure(group_id=gid, step=step, message=str(exc)))
-                self._assigned[step] -= 1
-                self._fill_step = min(self._fill_step, step)
+                self._group_failed(gid, step, exc)
                 continue
+            self._failure_streak = 0
             self.buffer.add(scored, step=step)
             self.sampler.add(gid, step=step, weight_version=out.weight_version)
             ready.append(gid)
         return ready
+
+    def _group_failed(self, gid: int, step: int, exc: RewardError) -> None:
+        """Record the failure and reopen its step; raise after too many in a row."""
+        self.failures.append(GroupFailure(group_id=gid, step=step, message=str(exc)))
+        self._assigned[step] -= 1
+        self._fill_step = min(self._fill_step, step)
+        self._failure_streak += 1
+        if self._failure_streak == 1:
+            self._streak_start = "".join(traceback.format_exception(exc)).rstrip()
+            _log.error("group %d (step %d) failed and is not trained on", gid, step, exc_info=exc)
+        else:
+            _log.error("group %d (step %d) failed and is not trained on: %s", gid, step, exc)
+        limit = self.max_consecutive_group_failures
+        if limit is not None and self._failure_streak >= limit:
+            raise RewardFailure(
+                f"{self._failure_streak} prompt groups failed in a row "
+                f"(rollout.max_consecutive_group_failures={limit}): the reward fails every "
+                f"time, so no step can be filled. Fix the reward; the first failure of the "
+                f"streak was:\n{self._streak_start}"
+            )
 
     # -- engine restarts -------------------------------------------------------------------
     def _mark_dead(self, engine: int) -> None:
@@ -261,7 +309,19 @@ class RolloutManager:
             del self._probes[engine]
             _log.warning("engine %d is back (incarnation %s)", engine, health.incarnation[:8])
             if self.on_engine_restart is not None:
-                self.on_engine_restart(engine, self.engines[engine])
+                try:
+                    self.on_engine_restart(engine, self.engines[engine])
+                    health = ray.get(self.engines[engine].health.remote())
+                except RayActorError:  # died again: probe again
+                    self._probes[engine] = self.engines[engine].health.remote()
+                    continue
+            if health.needs_weights:
+                raise RuntimeError(
+                    f"engine {engine} was restarted by Ray and still holds its initial weights "
+                    f"(version {health.weight_version}), not the current policy; pass "
+                    "RolloutManager(on_engine_restart=refitter.restore_engine) so that a "
+                    "restarted engine gets the current weights before it generates"
+                )
             self._incarnations[engine] = health.incarnation
             self._alive[engine] = True
 

@@ -9,6 +9,10 @@ safetensors directory (:func:`save_weights_to_disk` / :func:`load_weights_from_d
 The sender runs inside the actor's process: :class:`WeightRefitter` calls
 :func:`sender_connect` / :func:`sender_broadcast` there through Ray's ``__ray_call__``
 (they receive the actor instance and use its ``export_weights()``).
+
+Every socket listens on the group's address only (``127.0.0.1`` by default): the store
+is handed a socket bound here (torch's own would listen on every interface) and gloo's
+transport binds the address it is given.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -87,17 +92,42 @@ class RefitGroup:
     store: Any
 
 
+def _listening_socket(host: str) -> socket.socket:
+    """A TCP socket listening on a free port of ``host`` only."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
-    """The master TCP store (rank 0); binds a free port and returns (store, port)."""
-    store = _c10d.TCPStore(
-        host,
-        0,
-        world_size,
-        True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    return store, int(store.port)
+    """The master TCP store (rank 0) on a free port of ``host``; returns (store, port).
+
+    It listens on ``host`` only: left to itself, torch's store server listens on every
+    interface (``[::]``) whatever ``host`` says, so it gets a socket bound here
+    (``master_listen_fd``; the store owns and closes it)."""
+    sock = _listening_socket(host)
+    port = int(sock.getsockname()[1])
+    fd = sock.detach()
+    try:
+        store = _c10d.TCPStore(
+            host,
+            port,
+            world_size,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return store, port
 
 
 def connect_group(
@@ -211,6 +241,9 @@ def receive_state_dict(*, group: RefitGroup) -> tuple[int, dict[str, torch.Tenso
 # -- the sender side, run in the actor's process via ``actor.__ray_call__`` --------------
 
 _SENDERS: dict[str, tuple[Any, RefitGroup | None]] = {}
+# The last broadcast per refitter (its base group name): (version, CPU tensors), kept in
+# the actor's host memory to bring a restarted engine back (WeightRefitter.restore_engine).
+_LAST_SENT: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
 
 
 def sender_open(
@@ -242,16 +275,46 @@ def sender_connect(
     _SENDERS[group_name] = (store, group)
 
 
-def sender_broadcast(
-    worker: Any, *, group_name: str, version: int, bucket_bytes: int
-) -> dict[str, float]:
-    """Broadcast ``worker.export_weights()`` as ``version`` over ``group_name``."""
+def _connected(group_name: str) -> RefitGroup:
     _, group = _SENDERS[group_name]
     if group is None:
         raise RuntimeError(f"refit group {group_name!r} is not connected; call setup() first")
+    return group
+
+
+def sender_broadcast(
+    worker: Any, *, group_name: str, version: int, bucket_bytes: int, keep_as: str | None = None
+) -> dict[str, float]:
+    """Broadcast ``worker.export_weights()`` as ``version`` over ``group_name``.
+    ``keep_as``: keep the exported tensors under this key (see :func:`sender_resend`)."""
+    group = _connected(group_name)
+    if keep_as is not None:
+        _LAST_SENT.pop(keep_as, None)  # never two exports in host memory at once
+    weights = worker.export_weights()
+    stats = broadcast_state_dict(weights, group=group, version=version, bucket_bytes=bucket_bytes)
+    if keep_as is not None:
+        _LAST_SENT[keep_as] = (int(version), weights)
+    return stats
+
+
+def sender_resend(
+    _worker: Any, *, group_name: str, kept_as: str, version: int, bucket_bytes: int
+) -> dict[str, float]:
+    """Broadcast the tensors kept by :func:`sender_broadcast` (they must be ``version``)."""
+    kept = _LAST_SENT.get(kept_as)
+    if kept is None or kept[0] != version:
+        raise RuntimeError(
+            f"refit: no copy of version {version} is kept in the actor process "
+            f"(kept: {None if kept is None else kept[0]})"
+        )
     return broadcast_state_dict(
-        worker.export_weights(), group=group, version=version, bucket_bytes=bucket_bytes
+        kept[1], group=_connected(group_name), version=version, bucket_bytes=bucket_bytes
     )
+
+
+def sender_close(_worker: Any, *, group_name: str) -> None:
+    """Drop ``group_name`` (its store and transport sockets close)."""
+    _SENDERS.pop(group_name, None)
 
 
 def sender_save(worker: Any, *, path: str, version: int) -> str:
@@ -302,9 +365,15 @@ class WeightRefitter:
 
     ``refit(version=...)`` re-creates the group first when an engine was restarted
     since ``setup()`` (its incarnation changed), so a dead engine never wedges a refit.
-    With ``snapshot_dir`` every refit also leaves a safetensors snapshot there, from
-    which :meth:`restore_engine` (usable as the rollout manager's ``on_engine_restart``)
-    brings a restarted engine back to the current version.
+
+    A restarted engine comes back with the weights it was built with and generates
+    nothing until it is brought up to date (:class:`EngineRestarted`):
+    :meth:`restore_engine` (the rollout manager's ``on_engine_restart``) pushes the last
+    refit's version to it alone. Its source: the safetensors snapshot that every refit
+    leaves in ``snapshot_dir`` when one is given (a disk write per refit), else a copy
+    of the last broadcast kept in the actor process's host memory (one model's worth of
+    CPU memory; ``export_weights()`` must return tensors it does not modify later, as
+    both ppo_trainer backends do: fresh CPU copies).
     """
 
     def __init__(
@@ -334,19 +403,20 @@ class WeightRefitter:
         self.timeout_s = timeout_s
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
         self.last_version: int | None = None
+        self._last_path: Path | None = None  # where last_version lies on disk, if it does
         self._incarnations: list[str] | None = None
         self._generation = 0
+        self._restores = 0
 
     def _name(self) -> str:
         return f"{self.group_name}.{self._generation}"
 
-    def setup(self) -> None:
-        """Create the process group (actor rank 0, engine i rank i + 1)."""
+    def _connect(self, name: str, engines: Sequence[Any]) -> None:
+        """A group named ``name``: the actor rank 0, ``engines[i]`` rank ``i + 1``."""
         import ray
 
-        self._generation += 1
-        world = len(self.engines) + 1
-        kw = {"group_name": self._name(), "host": self.master_addr, "world_size": world}
+        world = len(engines) + 1
+        kw = {"group_name": name, "host": self.master_addr, "world_size": world}
         port = ray.get(self.actor.__ray_call__.remote(sender_open, timeout_s=self.timeout_s, **kw))
         joins = [
             e.init_refit_group.remote(
@@ -355,14 +425,34 @@ class WeightRefitter:
                 rank=i + 1,
                 world_size=world,
                 backend=self.backend,
-                group_name=self._name(),
+                group_name=name,
             )
-            for i, e in enumerate(self.engines)
+            for i, e in enumerate(engines)
         ]
         sender = self.actor.__ray_call__.remote(
             sender_connect, backend=self.backend, timeout_s=self.timeout_s, **kw
         )
         ray.get([sender, *joins])
+
+    def _close(self, name: str, engines: Sequence[Any]) -> None:
+        import ray
+
+        ray.get(
+            [
+                self.actor.__ray_call__.remote(sender_close, group_name=name),
+                *[e.close_refit_group.remote(group_name=name) for e in engines],
+            ]
+        )
+
+    def setup(self) -> None:
+        """Create the process group (actor rank 0, engine i rank i + 1); the previous
+        one, if any, is closed."""
+        import ray
+
+        if self._generation:
+            self._close(self._name(), self.engines)
+        self._generation += 1
+        self._connect(self._name(), self.engines)
         self._incarnations = [
             h.incarnation for h in ray.get([e.health.remote() for e in self.engines])
         ]
@@ -387,17 +477,19 @@ class WeightRefitter:
             group_name=self._name(),
             version=version,
             bucket_bytes=self.bucket_bytes,
+            keep_as=None if self.snapshot_dir is not None else self.group_name,
         )
         stats, *versions = ray.get([send, *receives])
         if any(v != version for v in versions):
             raise RuntimeError(f"refit to version {version}: engines report {versions}")
-        self.last_version = version
+        self.last_version, self._last_path = version, None
         if self.snapshot_dir is not None:
             ray.get(
                 self.actor.__ray_call__.remote(
                     sender_save, path=str(self.snapshot_dir), version=version
                 )
             )
+            self._last_path = self.snapshot_dir
         return RefitStats(
             version=version,
             bytes=int(stats["bytes"]),
@@ -407,7 +499,8 @@ class WeightRefitter:
         )
 
     def refit_from_disk(self, *, version: int, path: str | Path) -> RefitStats:
-        """The fallback: the actor writes a safetensors directory, every engine loads it."""
+        """The fallback: the actor writes a safetensors directory, every engine loads it
+        (a restarted engine is restored from there until the next refit)."""
         import ray
 
         start = time.perf_counter()
@@ -417,13 +510,14 @@ class WeightRefitter:
         )
         if any(v != version for v in versions):
             raise RuntimeError(f"disk refit to version {version}: engines report {versions}")
-        self.last_version = version
+        self.last_version, self._last_path = version, Path(path)
         if self.snapshot_dir is not None and Path(path) != self.snapshot_dir:
             ray.get(
                 self.actor.__ray_call__.remote(
                     sender_save, path=str(self.snapshot_dir), version=version
                 )
             )
+            self._last_path = self.snapshot_dir
         size = (Path(path) / "model.safetensors").stat().st_size
         return RefitStats(
             version=version,
@@ -434,22 +528,38 @@ class WeightRefitter:
         )
 
     def restore_engine(self, index: int, engine: Any) -> None:
-        """Bring a restarted engine to the last refit version from the snapshot (the
-        refit group itself is re-created at the next :meth:`refit`)."""
+        """Bring a restarted engine to the last refit's version (before any refit: its
+        initial weights are current, and it is told so). Only this engine takes part;
+        the refit group itself is re-created at the next :meth:`refit`."""
         import ray
 
         if self.last_version is None:
-            return  # no refit yet: the engine's initial weights are current
-        if self.snapshot_dir is None:
-            _log.warning(
-                "engine %d restarted with its initial weights; it serves them until the "
-                "next refit (pass snapshot_dir= to restore version %d at once)",
-                index,
-                self.last_version,
-            )
+            ray.get(engine.confirm_weights.remote(version=0))
             return
-        ray.get(
-            engine.update_weights_from_disk.remote(
-                str(self.snapshot_dir), version=self.last_version
+        if self._last_path is not None:
+            version = ray.get(
+                engine.update_weights_from_disk.remote(
+                    str(self._last_path), version=self.last_version
+                )
             )
-        )
+        else:
+            self._restores += 1
+            name = f"{self.group_name}.restore{self._restores}"
+            self._connect(name, [engine])
+            try:
+                receive = engine.receive_weights.remote(group_name=name)
+                send = self.actor.__ray_call__.remote(
+                    sender_resend,
+                    group_name=name,
+                    kept_as=self.group_name,
+                    version=self.last_version,
+                    bucket_bytes=self.bucket_bytes,
+                )
+                _, version = ray.get([send, receive])
+            finally:
+                self._close(name, [engine])
+        if version != self.last_version:
+            raise RuntimeError(
+                f"restoring engine {index} to version {self.last_version}: it reports {version}"
+            )
+        _log.info("engine %d restored to weight version %d", index, version)

@@ -25,11 +25,13 @@ from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_s
 from ._sampling import sample_seed
 from ._types import (
     EngineHealth,
+    EngineRestarted,
     FinishReason,
     GroupOutput,
     GroupRequest,
     SampleOutput,
     check_requests,
+    restarted_by_ray,
 )
 
 _log = logging.getLogger(__name__)
@@ -103,10 +105,17 @@ class SglangEngine:
         self._unpaused.set()
         self._released = False
         self._groups: dict[str, RefitGroup] = {}
+        self._needs_weights = restarted_by_ray()  # see EmbeddedEngine
 
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
         """All groups of the call go to sglang as one batch."""
         check_requests(requests)
+        if self._needs_weights:
+            raise EngineRestarted(
+                f"engine {self.engine_id} was restarted by Ray and still holds its initial "
+                f"weights (version {self.weight_version}); it generates again once the "
+                "driver pushed the current weights (WeightRefitter.restore_engine)"
+            )
         while True:
             self._unpaused.wait()
             with self._running:
@@ -199,13 +208,28 @@ class SglangEngine:
             paused=not self._unpaused.is_set(),
             memory_released=self._released,
             groups_served=self.groups_served,
+            needs_weights=self._needs_weights,
         )
 
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> int:
         with self._lock:
             self.engine.update_weights_from_tensor(named_tensors=list(tensors.items()))
             self.weight_version = int(version)
+            self._needs_weights = False
         return self.weight_version
+
+    def confirm_weights(self, *, version: int) -> int:
+        with self._lock:
+            if version != self.weight_version:
+                raise ValueError(
+                    f"engine {self.engine_id}: holds version {self.weight_version}, not "
+                    f"{version}; push the weights instead"
+                )
+            self._needs_weights = False
+        return self.weight_version
+
+    def close_refit_group(self, *, group_name: str) -> None:
+        self._groups.pop(group_name, None)
 
     def init_refit_group(
         self,
@@ -246,6 +270,7 @@ class SglangEngine:
         with self._lock:
             self.engine.update_weights_from_distributed(**kwargs)
             self.weight_version = int(version)
+            self._needs_weights = False
         return self.weight_version
 
     def update_weights_from_hf_dir(self, model_path: str, *, version: int) -> int:
@@ -253,6 +278,7 @@ class SglangEngine:
         with self._lock:
             self.engine.update_weights_from_disk(model_path)
             self.weight_version = int(version)
+            self._needs_weights = False
         return self.weight_version
 
     def shutdown(self) -> None:

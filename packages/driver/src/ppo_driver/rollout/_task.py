@@ -14,11 +14,14 @@ small but non-zero reward and every sample carries signal:
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
 import math
+import queue
 import random
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +32,7 @@ from ._types import GroupOutput
 
 RewardFn = Callable[..., float | Awaitable[float]]
 """``reward_fn(*, response: str, record: Mapping[str, Any], finish_reason: str)``, sync
-or async, returning a finite float."""
+or async, returning a real number: an int or a float (not a bool), finite."""
 
 TASK_LETTERS = "abcdefgh"
 
@@ -130,7 +133,16 @@ def load_reward_fn(path: str) -> RewardFn:
 
 
 class RewardError(RuntimeError):
-    """A group's reward failed (exception or non-finite value); the group is not trained on."""
+    """A group's reward failed: the function raised, timed out, or returned something
+    that is not a real finite number. The group is not trained on."""
+
+
+class RewardFailure(RuntimeError):
+    """The run cannot go on: ``rollout.max_consecutive_group_failures`` prompt groups
+    failed in a row (the message carries the first one's traceback)."""
+
+
+REAL_NUMBER = "a reward must return a real number (int or float, not bool, finite)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,54 +161,174 @@ class ScoredGroup:
         return self.output.weight_version
 
 
-async def _gather(results: list[Any]) -> list[Any]:
-    return list(await asyncio.gather(*results))
+def reward_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a reward function, for messages."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def _checked(value: Any, *, name: str, prompt: int, sample: int) -> float:
+    """``value`` as a float, or :class:`RewardError` unless it is a real finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RewardError(
+            f"reward {name} returned {value!r} ({type(value).__name__}) for prompt {prompt} "
+            f"sample {sample}; {REAL_NUMBER}"
+        )
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise RewardError(
+            f"reward {name} returned {value!r} for prompt {prompt} sample {sample}; {REAL_NUMBER}"
+        )
+    return number
+
+
+class _Overran(Exception):
+    """A reward call did not return before its deadline."""
+
+
+class _Job:
+    __slots__ = ("call", "done", "error", "value")
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    while (job := jobs.get()) is not None:
+        try:
+            job.value = job.call()
+        except BaseException as exc:  # handed to the caller, raised there
+            job.error = exc
+        job.done.set()
+
+
+class _RewardThread:
+    """Makes the sync reward calls of one calling thread on a daemon thread, so that a
+    call can be given up after its deadline. Python cannot kill a thread: a call that
+    overruns is abandoned and runs on in the background (it never keeps the process
+    from exiting), and the next call gets a new thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+
+    def call(self, fn: Callable[[], Any], *, timeout_s: float) -> Any:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), name="reward", daemon=True).start()
+        job = _Job(fn)
+        self._jobs.put(job)
+        if not job.done.wait(timeout_s):
+            self._jobs.put(None)  # the stuck thread ends after its call, if it ever returns
+            self._jobs = None
+            raise _Overran
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+
+_THREADS = threading.local()
+
+
+def _reward_thread() -> _RewardThread:
+    runner = getattr(_THREADS, "runner", None)
+    if runner is None:
+        runner = _THREADS.runner = _RewardThread()
+    return runner
+
+
+async def _await_all(
+    pending: Mapping[int, Awaitable[Any]], timeout_s: float | None
+) -> dict[int, asyncio.Future[Any]]:
+    """Run the awaitables together for at most ``timeout_s``; those not done by then
+    are cancelled (check ``cancelled()``)."""
+    tasks: dict[int, asyncio.Future[Any]] = {
+        j: asyncio.ensure_future(aw) for j, aw in pending.items()
+    }
+    _, late = await asyncio.wait(tasks.values(), timeout=timeout_s)
+    for task in late:
+        task.cancel()
+    return tasks
 
 
 def score_group(
-    output: GroupOutput, *, record: Mapping[str, Any], reward_fn: RewardFn, tokenizer: Tokenizer
+    output: GroupOutput,
+    *,
+    record: Mapping[str, Any],
+    reward_fn: RewardFn,
+    tokenizer: Tokenizer,
+    timeout_s: float | None = None,
 ) -> ScoredGroup:
-    """Reward every sample of ``output``. Async reward functions are awaited together.
-    Raises :class:`RewardError` naming the prompt and sample on an exception or a
-    non-finite reward."""
-    raw: list[Any] = []
+    """Reward every sample of ``output``; any failure fails the whole group with a
+    :class:`RewardError` naming the reward, the prompt and the sample: the function
+    raised, returned something that is not a real number (int or float, not bool,
+    finite), or overran ``timeout_s``.
+
+    ``timeout_s`` (``None`` or 0: no limit) bounds each call. A sync reward then runs on
+    a worker thread, and one that overruns is abandoned: a thread cannot be killed, so
+    it runs on in the background until it returns (if it ever does). Async rewards are
+    awaited together, all within ``timeout_s``, and the late ones are cancelled (an
+    async reward that blocks the event loop without awaiting cannot be interrupted).
+    """
+    name = reward_name(reward_fn)
+    prompt = output.prompt_index
+    limit = timeout_s or None
+    rewards: list[float] = []
+    pending: dict[int, Awaitable[Any]] = {}
     try:
-        for sample in output.samples:
+        for j, sample in enumerate(output.samples):
             ids = list(sample.token_ids)
             if sample.finish_reason == "stop" and ids:
                 ids = ids[:-1]
-            raw.append(
-                reward_fn(
-                    response=tokenizer.decode(ids),
-                    record=record,
-                    finish_reason=sample.finish_reason,
-                )
+            call = functools.partial(
+                reward_fn,
+                response=tokenizer.decode(ids),
+                record=record,
+                finish_reason=sample.finish_reason,
             )
-        if any(inspect.isawaitable(r) for r in raw):
-            pending = [r if inspect.isawaitable(r) else _const(r) for r in raw]
-            raw = asyncio.run(_gather(pending))
-    except Exception as exc:
-        for r in raw:
-            if inspect.iscoroutine(r):
-                r.close()
-        raise RewardError(
-            f"reward failed for prompt {output.prompt_index}: {type(exc).__name__}: {exc}"
-        ) from exc
-    rewards: list[float] = []
-    for i, r in enumerate(raw):
-        try:
-            value = float(r)
-        except (TypeError, ValueError) as exc:
-            raise RewardError(
-                f"reward for prompt {output.prompt_index} sample {i} is {r!r}, not a number"
-            ) from exc
-        if not math.isfinite(value):
-            raise RewardError(
-                f"reward for prompt {output.prompt_index} sample {i} is {value}; rewards must be finite"
-            )
-        rewards.append(value)
+            try:
+                result = call() if limit is None else _reward_thread().call(call, timeout_s=limit)
+            except _Overran:
+                raise RewardError(
+                    f"reward {name} did not return within {limit:g} s for prompt {prompt} "
+                    f"sample {j} (rollout.reward_timeout_s); the call is abandoned and runs "
+                    "on in the background (a thread cannot be killed)"
+                ) from None
+            except Exception as exc:
+                raise RewardError(
+                    f"reward {name} failed for prompt {prompt} sample {j}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if inspect.isawaitable(result):
+                pending[j] = result
+                rewards.append(math.nan)  # filled in below
+            else:
+                rewards.append(_checked(result, name=name, prompt=prompt, sample=j))
+        if pending:
+            tasks = asyncio.run(_await_all(pending, limit))
+            pending = {}
+            for j, task in tasks.items():
+                if task.cancelled():
+                    raise RewardError(
+                        f"reward {name} did not return within {limit:g} s for prompt {prompt} "
+                        f"sample {j} (rollout.reward_timeout_s); the call was cancelled"
+                    )
+                error = task.exception()
+                if error is not None:
+                    raise RewardError(
+                        f"reward {name} failed for prompt {prompt} sample {j}: "
+                        f"{type(error).__name__}: {error}"
+                    ) from error
+                rewards[j] = _checked(task.result(), name=name, prompt=prompt, sample=j)
+    finally:
+        for aw in pending.values():  # never awaited: a bad value or error came first
+            if inspect.iscoroutine(aw):
+                aw.close()
     return ScoredGroup(output=output, rewards=tuple(rewards))
-
-
-async def _const(value: Any) -> Any:
-    return value

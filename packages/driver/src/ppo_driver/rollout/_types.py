@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -100,7 +101,10 @@ class GroupOutput:
 @dataclass(frozen=True, slots=True)
 class EngineHealth:
     """What ``health()`` reports. ``incarnation`` changes every time the engine process
-    is (re)started, so a caller can tell a restarted engine from a live one."""
+    is (re)started, so a caller can tell a restarted engine from a live one.
+    ``needs_weights``: Ray restarted this engine and it still holds the weights it was
+    built with; it refuses to generate (:class:`EngineRestarted`) until it receives
+    weights (refit, disk) or :meth:`RolloutEngine.confirm_weights`."""
 
     alive: bool
     engine_id: str
@@ -110,6 +114,29 @@ class EngineHealth:
     memory_released: bool
     groups_served: int
     extra: dict[str, Any] = field(default_factory=dict)
+    needs_weights: bool = False
+
+
+class EngineRestarted(RuntimeError):
+    """``generate`` on an engine that Ray restarted and that has not received the
+    current weights yet: its initial weights are older than the policy being trained,
+    so it generates nothing until the driver brings it up to date
+    (:meth:`WeightRefitter.restore_engine`, the rollout manager's ``on_engine_restart``)."""
+
+
+def restarted_by_ray() -> bool:
+    """True inside a Ray actor that Ray has restarted (its constructor runs again after
+    the process died); False for a first start and outside Ray actors."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    ctx = ray.get_runtime_context()
+    if ctx.get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():  # Ray's accessor reads its own deprecated actor_id
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ctx.was_current_actor_reconstructed)
 
 
 @runtime_checkable
@@ -161,6 +188,16 @@ class RolloutEngine(Protocol):
 
     def update_weights_from_disk(self, path: str, *, version: int) -> int:
         """Load a safetensors directory written by :func:`save_weights_to_disk`."""
+        ...
+
+    def close_refit_group(self, *, group_name: str) -> None:
+        """Drop a weight-broadcast group (its sockets close); unknown names are ignored."""
+        ...
+
+    def confirm_weights(self, *, version: int) -> int:
+        """The driver vouches that the weights this engine holds are ``version`` (a
+        restarted engine before any refit: its initial weights are current). Raises
+        ``ValueError`` if the engine holds another version; returns the version."""
         ...
 
     def health(self) -> EngineHealth:

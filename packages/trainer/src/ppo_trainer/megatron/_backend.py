@@ -44,7 +44,12 @@ from ppo_trainer._backend import (
 )
 from ppo_trainer._config import ActorConfig, CriticConfig
 from ppo_trainer._parts import Part
-from ppo_trainer._torch_backend import build_causal_lm, build_value_model, resolve_device
+from ppo_trainer._torch_backend import (
+    build_causal_lm,
+    build_value_model,
+    resolve_device,
+    tcp_rendezvous_store,
+)
 from ppo_trainer.megatron import _convert
 from ppo_trainer.megatron._cpu_shim import cuda_as_cpu
 from ppo_trainer.megatron._options import MegatronOptions, parse_options
@@ -150,8 +155,13 @@ def _init_distributed(
             f"dist_init_method=None is invalid with world_size={world_size}: pass a "
             "rendezvous address such as 'tcp://10.0.0.1:29500' or 'file:///tmp/pg'"
         )
-    dist.init_process_group(
-        backend=backend, init_method=dist_init_method, rank=rank, world_size=world_size
+    tcp_store = tcp_rendezvous_store(dist_init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(  # a tcp:// rendezvous listens on its host only
+        backend=backend,
+        init_method=None if tcp_store is not None else dist_init_method,
+        store=tcp_store,
+        rank=rank,
+        world_size=world_size,
     )
 
 

@@ -1,0 +1,159 @@
+"""Rewards that misbehave fail their group with a clear message instead of hanging the run
+or being taken for a number: wrong types, non-finite values, timeouts (sync and async).
+The rollout manager's side (failure streaks, restarted engines) is in test_engine_ray.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from ppo_driver.rollout import (
+    CharTokenizer,
+    GroupOutput,
+    RewardError,
+    SampleOutput,
+    score_group,
+)
+
+TOK = CharTokenizer()
+REAL_NUMBER = r"a reward must return a real number \(int or float, not bool, finite\)"
+
+
+def _output(n: int = 3) -> GroupOutput:
+    s = SampleOutput(
+        token_ids=(3, 3, TOK.eos_id), logprobs=(-1.0, -1.0, -0.5), finish_reason="stop"
+    )
+    return GroupOutput(prompt_index=9, prompt_ids=(1, 3, 6, 21), samples=(s,) * n, weight_version=2)
+
+
+def _constant(value: Any) -> Any:
+    def reward(**_: Any) -> Any:
+        return value
+
+    return reward
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("0.75", id="numeric-string"),
+        pytest.param(True, id="bool"),
+        pytest.param(False, id="bool-false"),
+        pytest.param(None, id="none"),
+        pytest.param(torch.tensor(0.5), id="tensor"),
+        pytest.param([0.5], id="list"),
+        pytest.param(float("nan"), id="nan"),
+        pytest.param(float("-inf"), id="inf"),
+        pytest.param(10**400, id="int-beyond-float"),
+    ],
+)
+@pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["no-limit", "limit"])
+def test_a_reward_that_is_not_a_real_number_fails_the_group(
+    value: Any, timeout_s: float | None
+) -> None:
+    with pytest.raises(RewardError, match=REAL_NUMBER) as info:
+        score_group(
+            _output(), record={}, reward_fn=_constant(value), tokenizer=TOK, timeout_s=timeout_s
+        )
+    assert "for prompt 9 sample 0" in str(info.value)
+    assert "_constant.<locals>.reward" in str(info.value)  # names the reward
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        pytest.param(1, 1.0, id="int"),
+        pytest.param(0.75, 0.75, id="float"),
+        pytest.param(-3, -3.0, id="negative"),
+        pytest.param(1e30, 1e30, id="huge-but-finite"),
+    ],
+)
+def test_real_numbers_are_rewards(value: Any, want: float) -> None:
+    scored = score_group(_output(), record={}, reward_fn=_constant(value), tokenizer=TOK)
+    assert scored.rewards == (want,) * 3 and all(type(r) is float for r in scored.rewards)
+
+
+def test_the_first_bad_value_refuses_the_rest() -> None:
+    calls: list[str] = []
+
+    def reward(*, response: str, **_: Any) -> Any:
+        calls.append(response)
+        return "0.75"
+
+    with pytest.raises(RewardError, match=r"returned '0.75' \(str\)"):
+        score_group(_output(), record={}, reward_fn=reward, tokenizer=TOK, timeout_s=5)
+    assert len(calls) == 1
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """Set at teardown: lets an abandoned reward thread finish."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_a_hung_sync_reward_times_out_and_the_next_call_works(release: threading.Event) -> None:
+    threads: list[str] = []
+
+    def reward(*, response: str, **_: Any) -> float:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 2:
+            release.wait()  # hangs until the test ends
+        return float(len(response))
+
+    start = time.monotonic()
+    with pytest.raises(RewardError) as info:
+        score_group(_output(), record={}, reward_fn=reward, tokenizer=TOK, timeout_s=0.3)
+    assert time.monotonic() - start < 10
+    msg = str(info.value)
+    assert "did not return within 0.3 s for prompt 9 sample 1" in msg
+    assert "rollout.reward_timeout_s" in msg and ".<locals>.reward" in msg
+    assert len(threads) == 2  # the rest of the group was not called
+    # the caller's next group gets a fresh worker thread; the stuck one is left behind
+    scored = score_group(_output(1), record={}, reward_fn=reward, tokenizer=TOK, timeout_s=5)
+    assert scored.rewards == (2.0,)
+    assert threads[0] == threads[1] == threads[2] == "reward"
+    assert threading.main_thread().name not in threads
+
+
+def test_a_hung_async_reward_is_cancelled() -> None:
+    cancelled: list[int] = []
+
+    async def reward(*, response: str, record: Any, finish_reason: str) -> float:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return 1.0
+
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"did not return within 0.2 s for prompt 9 sample 0"):
+        score_group(_output(2), record={}, reward_fn=reward, tokenizer=TOK, timeout_s=0.2)
+    assert time.monotonic() - start < 10 and cancelled
+
+
+def test_without_a_limit_sync_rewards_run_in_the_callers_thread() -> None:
+    seen: list[threading.Thread] = []
+
+    def reward(**_: Any) -> float:
+        seen.append(threading.current_thread())
+        return 0.5
+
+    assert score_group(_output(2), record={}, reward_fn=reward, tokenizer=TOK).rewards == (0.5, 0.5)
+    assert seen == [threading.current_thread()] * 2
+
+
+def test_an_exception_names_the_reward_and_sample() -> None:
+    def grader(**_: Any) -> float:
+        raise KeyError("answer")
+
+    with pytest.raises(RewardError, match=r"grader failed for prompt 9 sample 0: KeyError") as info:
+        score_group(_output(), record={}, reward_fn=grader, tokenizer=TOK, timeout_s=5)
+    assert isinstance(info.value.__cause__, KeyError)
