@@ -117,6 +117,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return seen
 
 
+@pytest.mark.slow
 def test_reference_run_streams_and_checkpoints(runs: dict[str, Any]) -> None:
     ref: Path = runs["ref"]
     rows = _rows(ref)
@@ -126,6 +127,7 @@ def test_reference_run_streams_and_checkpoints(runs: dict[str, Any]) -> None:
     assert _latest(ref) == f"step_{NUM_STEPS:06d}"
 
 
+@pytest.mark.slow
 def test_kill_mid_update_leaves_previous_checkpoint(runs: dict[str, Any]) -> None:
     crashed: Path = runs["crashed"]
     assert runs["mid_update_code"] == CRASH_CODE, _stderr_tail(crashed)
@@ -135,6 +137,7 @@ def test_kill_mid_update_leaves_previous_checkpoint(runs: dict[str, Any]) -> Non
     assert runs["mid_update_rows"] == [0]  # step 1 never finished
 
 
+@pytest.mark.slow
 def test_kill_between_steps_leaves_no_half_checkpoint_as_latest(runs: dict[str, Any]) -> None:
     crashed: Path = runs["crashed"]
     assert runs["between_code"] == CRASH_CODE, _stderr_tail(crashed)
@@ -146,6 +149,7 @@ def test_kill_between_steps_leaves_no_half_checkpoint_as_latest(runs: dict[str, 
     assert runs["between_rows"] == [0, 1]  # step 1 was done and logged before the crash
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_run(runs: dict[str, Any]) -> None:
     ref: Path = runs["ref"]
     crashed: Path = runs["crashed"]

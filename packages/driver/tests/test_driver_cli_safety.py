@@ -9,8 +9,10 @@ line in ``test_driver_cli_safety_signals.py``.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from driver_testlib import TINY_RUN
 from ppo_driver.checkpoint import save_checkpoint
 from ppo_driver.cli import _parse, main
 from ppo_driver.config import default_config_path, load_config
-from ppo_driver.run import FAIL_POINTS, RunLock
+from ppo_driver.run import FAIL_POINTS, RunLock, _Interrupt, _SignalGuard
 from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, ModelSpec
 
 SPEC = ModelSpec(
@@ -116,6 +118,11 @@ def test_used_run_dir_is_refused_without_resume_or_overwrite(
     assert str(run_dir) in err and "--resume" in err and "--overwrite" in err
     assert "checkpoints, metrics.jsonl" in err
     assert (run_dir / "checkpoints" / "step_000009").is_dir()  # nothing touched
+    unrelated = tmp_path / "home"
+    (unrelated / "notes").mkdir(parents=True)
+    code, err = _train(capsys, "--run-dir", str(unrelated), "--overwrite", *TINY_RUN)
+    assert code == 1 and "does not look like a ppo-driver run directory" in err
+    assert (unrelated / "notes").is_dir()  # --overwrite only empties a run directory
     with pytest.raises(SystemExit):  # the two exclude each other
         main(["train", "--run-dir", str(run_dir), "--resume", "--overwrite"])
     assert "not allowed with argument" in capsys.readouterr().err
@@ -154,6 +161,26 @@ def test_unusable_run_dir_is_refused_with_a_message(
         locked.mkdir(mode=0o500)
         code, err = _train(capsys, "--run-dir", str(locked / "run"), *TINY_RUN)
         assert code == 1 and "Permission denied" in err
+
+
+def test_a_stop_signal_waits_for_the_checkpoint_being_written() -> None:
+    """A real SIGTERM while a checkpoint is written: the checkpoint completes, then the
+    run stops; a second signal while stopping does not interrupt the teardown."""
+    previous = signal.getsignal(signal.SIGTERM)
+    guard = _SignalGuard()
+    guard.install()
+    written: list[str] = []
+    try:
+        with pytest.raises(_Interrupt), guard.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs here: recorded, not raised
+            written.append("checkpoint")
+        assert written == ["checkpoint"] and guard.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)  # while stopping: logged only
+        time.sleep(0.1)
+    finally:
+        guard.restore()
+    assert signal.getsignal(signal.SIGTERM) == previous
 
 
 # ------------------------------------------------------------------ flags and environment

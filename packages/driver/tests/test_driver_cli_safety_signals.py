@@ -33,7 +33,7 @@ from ppo_driver.checkpoint import verify_checkpoint
 from ppo_driver.cli import main
 from ppo_driver.run import RunLock
 
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 WAIT_S = 900  # Ray start-up plus a few tiny steps on a loaded 2-core machine
 OVERRIDES = ["run.num_steps=6", *TINY_RUN, "rollout.max_new_tokens=8"]

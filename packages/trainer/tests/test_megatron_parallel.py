@@ -6,8 +6,11 @@ Plain data parallel 2 (classic DDP) runs in the contract suite
 Both ranks run every layout in turn in one pair of spawned processes (megatron's
 ``parallel_state`` is re-initialised between layouts), so megatron is imported twice,
 not six times. The children are always joined; one that fails or hangs past 480 s
-fails the test and both are terminated. Tolerances as in ``test_megatron_backend.py``: log-probs ``atol=1e-5``,
-weights after one Adam step ``atol=2e-5``.
+fails the test and both are terminated. Tolerances derived as in the other suites
+(trainer_testlib): log-probs and values within ``rounding_bound`` over the forward chain
+and the head's magnitude; gradients (captured before the data-parallel reduction and
+reassembled from the tensor / pipeline ranks) within the gradient bound; the gradient
+norm within ``norm_bound``; weights after the one Adam step within ``adam_step_bound``.
 """
 
 from __future__ import annotations
@@ -25,9 +28,20 @@ from ppo_trainer import (
     CriticConfig,
     CriticWorker,
     ModelSpec,
+    build_causal_lm,
+    build_value_model,
     loss_denominator,
 )
 from safetensors.torch import load_file, save_file
+from trainer_testlib import (
+    adam_step_bound,
+    assert_within,
+    grad_bounds,
+    head_magnitude,
+    model_terms,
+    norm_bound,
+    rounding_bound,
+)
 
 pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
 
@@ -56,6 +70,20 @@ def _data() -> dict[str, torch.Tensor]:
     }
 
 
+def _capture_before_reduce(model: Any) -> dict[str, torch.Tensor]:
+    """Record a megatron model's local gradients when the worker reduces them (the step's
+    gradients before the data-parallel sum; megatron's global names, local TP slices)."""
+    captured: dict[str, torch.Tensor] = {}
+    reduce = model.all_reduce_grads
+
+    def all_reduce_grads() -> None:
+        captured.update(model.grads())
+        reduce()
+
+    model.all_reduce_grads = all_reduce_grads
+    return captured
+
+
 def _run(
     data: dict[str, torch.Tensor], rows: slice, options: dict[str, Any], **dist: Any
 ) -> dict[str, torch.Tensor]:
@@ -66,6 +94,7 @@ def _run(
     actor = ActorWorker(
         ActorConfig(model=SPEC, backend="megatron", lr=1e-3, backend_options=options), **dist
     )
+    actor_grads = _capture_before_reduce(actor._policy)  # test instrumentation
     logprobs = actor.compute_logprobs(batch)
     old = (logprobs - 0.1 * shard["advantages"]) * shard["loss_mask"]
     actor.backward(batch, old_logprobs=old, advantages=shard["advantages"], loss_denominator=den)
@@ -73,20 +102,25 @@ def _run(
     critic = CriticWorker(
         CriticConfig(model=SPEC, backend="megatron", lr=1e-3, backend_options=options), **dist
     )
+    critic_grads = _capture_before_reduce(critic._critic)
     values = critic.compute_values(batch)
-    critic.train(
+    critic_stats = critic.train(
         batch,
         returns=shard["returns"],
         old_values=values,
         epochs=1,
         mini_batch_size=rows.stop - rows.start,
     )
+    assert critic_stats["critic/optimizer_steps"] == 1  # one Adam step: adam_step_bound
     out = {f"actor.{k}": v for k, v in actor.export_weights().items()}
     out |= {f"critic.{k}": v for k, v in critic.export_weights().items()}
+    out |= {f"grad.actor.{k}": v for k, v in actor_grads.items()}
+    out |= {f"grad.critic.{k}": v for k, v in critic_grads.items()}
     out |= {
         "logprobs": logprobs,
         "values": values,
         "grad_norm": torch.tensor(stats["actor/grad_norm"]),
+        "critic_grad_norm": torch.tensor(critic_stats["critic/grad_norm"]),
     }
     return out
 
@@ -134,17 +168,103 @@ def single() -> dict[str, torch.Tensor]:
     return _run(data, slice(0, 4), {})
 
 
+@pytest.fixture(scope="module")
+def layouts() -> dict[str, Any]:
+    """The megatron layouts of the actor and the critic (for the HF names of gradients)."""
+    from ppo_trainer.megatron._backend import _layout
+
+    return {
+        "actor": _layout(build_causal_lm(SPEC).config, te=False, critic=False),
+        "critic": _layout(build_value_model(SPEC).config, te=False, critic=True),
+    }
+
+
+def _grads(out: dict[str, torch.Tensor], role: str) -> dict[str, torch.Tensor]:
+    prefix = f"grad.{role}."
+    return {k.removeprefix(prefix): v for k, v in out.items() if k.startswith(prefix)}
+
+
+def _assemble(
+    layout: str, ranks: list[dict[str, torch.Tensor]], role: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The full megatron-named gradient of the two ranks, and its accumulated magnitude:
+    data parallel sums the local gradients, tensor parallel concatenates the slices,
+    pipeline parallel joins the stages."""
+    from ppo_trainer.megatron import _convert
+
+    local = [_grads(r, role) for r in ranks]
+    critic = role == "critic"
+    if "dp2" in layout:
+        full = {k: local[0][k] + local[1][k] for k in local[0]}
+        return full, {k: local[0][k].abs() + local[1][k].abs() for k in local[0]}
+    if layout == "tp2":
+        full = {
+            k: _convert.unshard(k, [local[0][k], local[1][k]], critic=critic)
+            if _convert.is_tensor_parallel(k, critic=critic)
+            else local[0][k]
+            for k in local[0]
+        }
+    else:
+        assert not local[0].keys() & local[1].keys()  # two pipeline stages
+        full = local[0] | local[1]
+    return full, {k: v.abs() for k, v in full.items()}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_match_one_process(
-    layout: str, two_rank_results: Path, single: dict[str, torch.Tensor]
+    layout: str,
+    two_rank_results: Path,
+    single: dict[str, torch.Tensor],
+    layouts: dict[str, Any],
 ) -> None:
+    from ppo_trainer.megatron import _convert
+
+    data = _data()
+    b, t = data["input_ids"].shape
+    batch = {k: data[k] for k in ("input_ids", "attention_mask")}
+    forward_terms = model_terms(SPEC, tokens=b * t, seq_len=t, backward=False)
+    # a log-prob z_y - logsumexp(z) carries twice the logits' error
+    lp_bound = rounding_bound(
+        terms=forward_terms, magnitude=2 * head_magnitude(build_causal_lm(SPEC), batch)
+    )
+    value_bound = rounding_bound(
+        terms=forward_terms, magnitude=head_magnitude(build_value_model(SPEC), batch)
+    )
+    # +1: the sum over the two ranks (data parallel) or of two partial products (tensor
+    # parallel row-parallel layers) adds a term
+    step_terms = model_terms(SPEC, tokens=b * t, seq_len=t) + 1
     ranks = [load_file(str(two_rank_results / f"{layout}.{r}.st")) for r in (0, 1)]
     for rank, got in enumerate(ranks):
         rows = slice(2 * rank, 2 * rank + 2) if "dp2" in layout else slice(0, 4)
-        torch.testing.assert_close(got["logprobs"], single["logprobs"][rows], atol=1e-5, rtol=0)
-        torch.testing.assert_close(got["values"], single["values"][rows], atol=1e-5, rtol=0)
-        torch.testing.assert_close(got["grad_norm"], single["grad_norm"], atol=1e-5, rtol=1e-5)
-        weights = [k for k in single if k.startswith(("actor.", "critic."))]
-        assert sorted(weights) == sorted(k for k in got if k.startswith(("actor.", "critic.")))
-        for name in weights:
-            torch.testing.assert_close(got[name], single[name], atol=2e-5, rtol=0, msg=name)
+        torch.testing.assert_close(got["logprobs"], single["logprobs"][rows], atol=lp_bound, rtol=0)
+        torch.testing.assert_close(got["values"], single["values"][rows], atol=value_bound, rtol=0)
+    for role, norm_key in (("actor", "grad_norm"), ("critic", "critic_grad_norm")):
+        lay = layouts[role]
+        expected = _grads(single, role)
+        got_grads, magnitude = _assemble(layout, ranks, role)
+        assert got_grads.keys() == expected.keys()
+        both = {k: torch.maximum(magnitude[k], expected[k].abs()) for k in expected}
+        bounds = grad_bounds(both, terms=step_terms)
+        assert_within(got_grads, expected, bounds)
+        grads_hf = _convert.megatron_to_hf(expected, lay)
+        bounds_hf = _convert.megatron_to_hf(bounds, lay)
+        norm = float(single[norm_key])
+        config = ActorConfig(model=SPEC, backend="megatron", lr=1e-3)  # what _run trains with
+        weights = {
+            k.removeprefix(f"{role}."): v for k, v in single.items() if k.startswith(f"{role}.")
+        }
+        moved = adam_step_bound(
+            grads=grads_hf,
+            grad_bound=bounds_hf,
+            params=weights,
+            lr=config.lr,
+            adam_eps=config.adam_eps,
+            grad_norm=norm,
+            max_grad_norm=config.max_grad_norm,
+        )
+        for got in ranks:
+            assert abs(float(got[norm_key]) - norm) <= norm_bound(grads_hf, bounds_hf)
+            got_weights = {
+                k.removeprefix(f"{role}."): v for k, v in got.items() if k.startswith(f"{role}.")
+            }
+            assert_within(got_weights, weights, moved)

@@ -47,28 +47,50 @@ def rounding_bound(*, terms: int, magnitude: float, dtype: torch.dtype = torch.f
     return 2.0 * terms * eps * float(magnitude)
 
 
-def model_terms(spec: ModelSpec, *, tokens: int, seq_len: int) -> int:
-    """The longest chain of accumulated terms behind a gradient element (or a logit) of a
-    ``spec`` model on a batch of ``tokens`` tokens of length ``seq_len``.
+def model_terms(spec: ModelSpec, *, tokens: int, seq_len: int, backward: bool = True) -> int:
+    """The longest chain of accumulated terms behind a gradient element (``backward``) or a
+    logit / value (forward only) of a ``spec`` model on ``tokens`` tokens of length
+    ``seq_len``.
 
-    Forward and backward through each layer accumulate over the hidden size (q/k/v/o
-    projections, RMS norm), the intermediate size (MLP down projection) and the keys of
-    attention (``seq_len``); the head over the hidden size and the log-softmax over the
-    vocabulary; a weight gradient finally sums over the step's ``tokens``.
+    Each layer accumulates over the hidden size (q/k/v/o projections, RMS norm), the
+    intermediate size (MLP down projection) and the keys of attention (``seq_len``); the
+    head over the hidden size, the log-softmax over the vocabulary. Backward runs the same
+    chain again, and a weight gradient finally sums over the ``tokens``.
     """
     per_layer = spec.hidden_size + spec.intermediate_size + seq_len
-    return tokens + 2 * spec.num_hidden_layers * per_layer + spec.hidden_size + spec.vocab_size
+    chain = spec.num_hidden_layers * per_layer + spec.hidden_size + spec.vocab_size
+    return 2 * chain + tokens if backward else chain
+
+
+def hf_named(worker: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors shaped like a worker's parameters (its ``grads()``) under the Hugging Face
+    names of ``export_weights()`` (megatron keeps its own names and fused layouts)."""
+    if worker.config.backend != "megatron":
+        return dict(tensors)
+    from ppo_trainer.megatron import _convert
+
+    model = worker._policy if hasattr(worker, "_policy") else worker._critic
+    return {k: v.clone() for k, v in _convert.megatron_to_hf(tensors, model.layout).items()}
 
 
 def grad_bounds(
     magnitude: Mapping[str, torch.Tensor], *, terms: int, dtype: torch.dtype = torch.float32
-) -> dict[str, float]:
-    """Per tensor: ``rounding_bound`` with the tensor's largest accumulated magnitude
-    (``magnitude[name]``: the elementwise sum of the absolute chunk contributions)."""
-    return {
-        name: rounding_bound(terms=terms, magnitude=float(m.abs().max()), dtype=dtype)
-        for name, m in magnitude.items()
-    }
+) -> dict[str, torch.Tensor]:
+    """Per element: ``rounding_bound`` with the tensor's largest accumulated magnitude
+    (``magnitude[name]``: the elementwise sum of the absolute chunk contributions; the
+    errors of a layer's products mix its elements, so the tensor's scale is the one that
+    counts), and exactly 0 where nothing was accumulated (an embedding row of a token that
+    never occurs is exactly 0 in every run)."""
+    out = {}
+    for name, m in magnitude.items():
+        bound = rounding_bound(terms=terms, magnitude=float(m.abs().max()), dtype=dtype)
+        out[name] = torch.where(m == 0, 0.0, bound).double()
+    return out
+
+
+def norm_of_bounds(bounds: Mapping[str, torch.Tensor]) -> float:
+    """Bound on the Euclidean norm of the difference of two gradients."""
+    return math.sqrt(sum(float(b.square().sum()) for b in bounds.values()))
 
 
 def assert_within(
@@ -91,10 +113,21 @@ def assert_within(
             )
 
 
+def norm_bound(grads: Mapping[str, torch.Tensor], bounds: Mapping[str, torch.Tensor]) -> float:
+    """How far two reported gradient norms may be apart: the triangle inequality gives
+    ``|N_a - N_b| <= ||g_a - g_b||`` (at most the norm of the elementwise bounds), plus
+    the rounding of each norm (sums of squares per tensor, then over the tensors; the
+    squared sum's relative error halves under the square root)."""
+    diff = norm_of_bounds(bounds)
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+    terms = max(g.numel() for g in grads.values()) + len(grads)
+    return diff + rounding_bound(terms=terms, magnitude=norm)
+
+
 def adam_step_bound(
     *,
     grads: Mapping[str, torch.Tensor],
-    grad_bound: Mapping[str, float],
+    grad_bound: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     lr: float,
     adam_eps: float,
@@ -115,9 +148,10 @@ def adam_step_bound(
     ``2 * lr`` where the gradient is within rounding of 0. ``d`` includes the clip
     coefficient's own difference (``|dc| <= c * D / (N - D)``, ``D`` the bound on the
     gradients' norm difference). Plus the rounding of Adam's few operations
-    (``lr * 8 * eps32``) and of the new weight (``eps32 * |theta|``).
+    (``lr * 8 * eps32``) and of the new weight (at most one ulp, ``eps32 * |theta|``, in
+    each run).
     """
-    dnorm = math.sqrt(sum(float(b) ** 2 * grads[k].numel() for k, b in grad_bound.items()))
+    dnorm = norm_of_bounds(grad_bound)
     clip = 1.0
     dclip = 0.0
     if max_grad_norm is not None and grad_norm + dnorm > max_grad_norm:
@@ -126,12 +160,28 @@ def adam_step_bound(
     out: dict[str, torch.Tensor] = {}
     for name, g in grads.items():
         g = g.double()
-        d = clip * float(grad_bound[name]) + dclip * g.abs()
+        d = clip * grad_bound[name] + dclip * g.abs()
         x = (clip * g).abs()
         lipschitz = adam_eps / ((x - d).clamp(min=0.0) + adam_eps) ** 2
         move = lr * torch.minimum(d * lipschitz, torch.full_like(x, 2.0))
-        out[name] = move + lr * 8 * EPS32 + EPS32 * params[name].double().abs()
+        out[name] = move + lr * 8 * EPS32 + 2 * EPS32 * params[name].double().abs()
     return out
+
+
+def head_magnitude(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> float:
+    """The scale of a transformers model's outputs for rounding bounds: the largest
+    ``sum_j |W_vj| * |h_j|`` of its head (``lm_head`` or the critic's ``score``) over the
+    real positions of ``batch``, ``h`` the final hidden states. A logit's (or value's)
+    float32 error is relative to this sum, not to the logit itself, which can cancel."""
+    head = model.get_submodule("score" if hasattr(model, "score") else "lm_head")
+    with torch.no_grad():
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=True,
+        )
+        hidden = out.hidden_states[-1][batch["attention_mask"].bool()]
+        return float((hidden.abs() @ head.weight.abs().T).max())
 
 
 TINY = ModelSpec(

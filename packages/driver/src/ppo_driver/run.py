@@ -366,6 +366,9 @@ def _lock_holder(fd: int) -> str:
     return "holder not recorded yet"
 
 
+_RUN_FILES = frozenset({"config.yaml", "train.log", "metrics.jsonl", "checkpoints"})
+
+
 def _claim_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
     """A fresh run needs an empty run directory (``--overwrite`` empties it; returns what
     it removed). ``--resume`` continues what is there."""
@@ -373,6 +376,12 @@ def _claim_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str
     if not others or resume:
         return []
     if overwrite:
+        if not set(others) & _RUN_FILES:  # a typo must not empty an unrelated directory
+            raise StartupError(
+                f"--overwrite: {run_dir} does not look like a ppo-driver run directory (none "
+                f"of {', '.join(sorted(_RUN_FILES))}); not deleting its contents. Choose "
+                "another --run-dir, or empty it yourself"
+            )
         for name in others:
             path = run_dir / name
             if path.is_dir() and not path.is_symlink():
@@ -750,6 +759,9 @@ def _run(
             prompts_per_step=cfg.batch_groups,
             max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
             groups_per_call=1,
+            on_engine_restart=refitter.restore_engine,
+            reward_timeout_s=cfg.rollout.reward_timeout_s,
+            max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
         )
         alignment = group_alignment(
             generations_per_prompt=cfg.ppo.num_generations_per_prompt,

@@ -276,9 +276,9 @@ class RolloutManager:
         if limit is not None and self._failure_streak >= limit:
             raise RewardFailure(
                 f"{self._failure_streak} prompt groups failed in a row "
-                f"(rollout.max_consecutive_group_failures={limit}): the reward fails every "
-                f"time, so no step can be filled. Fix the reward; the first failure of the "
-                f"streak was:\n{self._streak_start}"
+                f"(rollout.max_consecutive_group_failures={limit}): the reward keeps failing "
+                "(it raised, timed out or returned something that is not a real number), so "
+                f"no step can be filled. The first failure of the streak:\n{self._streak_start}"
             )
 
     # -- engine restarts -------------------------------------------------------------------

@@ -555,7 +555,7 @@ class WeightRefitter:
                     version=self.last_version,
                     bucket_bytes=self.bucket_bytes,
                 )
-                _, version = ray.get([send, receive])
+                version, _ = ray.get([receive, send])  # a dead engine's error first
             finally:
                 self._close(name, [engine])
         if version != self.last_version:

@@ -316,9 +316,10 @@ def score_group(
             pending = {}
             for j, task in tasks.items():
                 if task.cancelled():
+                    late = f"did not return within {limit:g} s" if limit else "was cancelled"
                     raise RewardError(
-                        f"reward {name} did not return within {limit:g} s for prompt {prompt} "
-                        f"sample {j} (rollout.reward_timeout_s); the call was cancelled"
+                        f"reward {name} {late} for prompt {prompt} sample {j} "
+                        "(rollout.reward_timeout_s); the call was cancelled"
                     )
                 error = task.exception()
                 if error is not None:
