@@ -179,6 +179,7 @@ def test_full_batch_matches_streaming_after_one_step(
     assert initial_moved["train/chunks"] == 1
 
 
+@pytest.mark.slow
 def test_kill_mid_update_and_between_steps_then_resume(
     streaming_run: tuple[Path, list[str], object], tmp_path: Path
 ) -> None:

@@ -118,7 +118,7 @@ def _grad_norm(model: TrainModel) -> float:
     norms = [torch.linalg.vector_norm(g) for g in model.grads().values()]
     if not norms:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([n.to("cpu") for n in norms])))
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
 
 
 def _refuse_non_finite(model: TrainModel, where: str, values: Mapping[str, float]) -> None:
