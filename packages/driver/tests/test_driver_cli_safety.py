@@ -283,3 +283,21 @@ def test_resume_refuses_a_damaged_checkpoint_naming_file_and_fallback(
     assert code == 1
     assert f"{state}: contents differ from the manifest (sha256)" in err
     assert "No older complete checkpoint verifies" in err and "--overwrite" in err
+
+
+def test_a_reward_that_keeps_failing_stops_the_cli_with_its_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RewardFailure`` (raised by the rollout manager after N failed groups in a row, see
+    ``test_engine_ray.py``) reaches the user as a message with the first traceback, exit 1."""
+    import ppo_driver.run
+    from ppo_driver.rollout import RewardFailure
+
+    def failing_train(*args: object, **kwargs: object) -> None:
+        raise RewardFailure("32 groups failed in a row; first failure: ValueError: Boom")
+
+    monkeypatch.setattr(ppo_driver.run, "train", failing_train)
+    code, err = _train(capsys, "--run-dir", str(tmp_path / "run"), *TINY_RUN)
+    assert code == 1
+    assert "stopped: 32 groups failed in a row" in err and "Boom" in err
+    assert "checkpoint" in err  # says what was last checkpointed (here: nothing)

@@ -25,6 +25,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "ChunkGate": "ppo_driver.pump",
     "InjectedFailure": "ppo_driver.pump",
+    "NonFiniteError": "ppo_driver.pump",
+    "RunStopped": "ppo_driver.run",
+    "StartupError": "ppo_driver.run",
+    "CheckpointDamaged": "ppo_driver.checkpoint",
+    "verify_checkpoint": "ppo_driver.checkpoint",
+    "RewardFailure": "ppo_driver.rollout",
     "StepReport": "ppo_driver.pump",
     "TrainPump": "ppo_driver.pump",
     "assemble_full_batch": "ppo_driver.pump",
@@ -40,13 +46,18 @@ _LAZY = {
 }
 
 __all__ = [
+    "CheckpointDamaged",
     "ChunkGate",
     "ConfigError",
     "ConfigProblem",
     "DriverConfig",
     "InjectedFailure",
     "MetricsWriter",
+    "NonFiniteError",
+    "RewardFailure",
     "RunResult",
+    "RunStopped",
+    "StartupError",
     "StepReport",
     "TraceRecorder",
     "TrainGroup",
@@ -62,6 +73,7 @@ __all__ = [
     "save_checkpoint",
     "train",
     "validate",
+    "verify_checkpoint",
 ]
 
 

@@ -135,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return 1
     from ppo_driver.pump import InjectedFailure, NonFiniteError
+    from ppo_driver.rollout import RewardFailure
     from ppo_driver.run import RunStopped, StartupError, last_checkpoint_note, train
 
     run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
@@ -153,6 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteError as exc:
         _say(f"stopped: {exc}")
         _say(f"nothing of that step was applied or recorded; {last_checkpoint_note(run_dir)}")
+        return 1
+    except RewardFailure as exc:
+        # The reward function failed for too many groups in a row: a bug in the reward,
+        # not in the run. Ray and the workers are already shut down by train().
+        _say(f"stopped: {exc}")
+        _say(last_checkpoint_note(run_dir))
         return 1
     except InjectedFailure as exc:
         # A crash drill: train() has already run its clean-up (workers, Ray, trace); what
