@@ -20,7 +20,7 @@ from ppo_driver.config import (
     validate,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "ChunkGate": "ppo_driver.pump",

@@ -52,7 +52,7 @@ from ppo_trainer._parts import ALL_PARTS, KEEP_GRADIENTS, Part
 from ppo_trainer._torch_backend import build_causal_lm, build_value_model, save_hf_checkpoint
 from ppo_trainer._workers import ActorWorker, CriticWorker, EmptyStepError, loss_denominator
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ALL_PARTS",
