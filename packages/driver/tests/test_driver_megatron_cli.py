@@ -1,0 +1,61 @@
+"""``ppo-driver train`` with Megatron-core for both models, on CPU (gloo and the trainer's
+documented CPU shim), end to end through the real command line (issue 11, section 3:
+``policy.megatron_cfg.enabled=true`` with the defaults passed validation and then crashed
+at start-up, ``overlap_param_gather is unknown``).
+
+One process start (Ray, an actor and a critic building Megatron models): minutes on a busy
+2-core machine, so ``slow``. It needs the ``ppo-trainer[megatron]`` extra, which the
+driver's own session does not install; the ``slow`` session installs every CI extra.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from driver_testlib import TINY_RUN
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppo_driver.cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "policy.megatron_cfg.enabled=true",
+        "critic.megatron_cfg.enabled=true",
+        "run.num_steps=2",
+        *TINY_RUN,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        for key in ("loss/pg", "loss/value", "actor/grad_norm", "critic/grad_norm"):
+            assert math.isfinite(row[key]), (key, row)
+        # The engine (an HF model fed by the Megatron -> HF refit) and the trainer compute
+        # the same tokens' log-probs with the same weights. Float32 over this model's few
+        # hundred accumulated terms per logit differs by ~1e-5 per token at most, and the
+        # k3 estimate is second order in that difference (~1e-10); an engine holding other
+        # weights (a broken conversion, a missed refit) gives ~1e-2 here.
+        assert abs(row["rollout/kl_engine_trainer"]) < 1e-6, row
+
+    # The workers really ran Megatron: their checkpoints hold Megatron parameter names.
+    latest = run_dir / "checkpoints" / "step_000002"
+    for role in ("actor", "critic"):
+        state = json.loads((latest / role / "rank00000" / "state.json").read_text())
+        names = list(state["backend"]["model"])
+        assert any(n.startswith("decoder.layers.") for n in names), (role, names[:5])
