@@ -94,7 +94,8 @@ def run(cmd: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None) 
     )
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-25:])
-        raise RuntimeError(f"`{' '.join(cmd)}` exited {proc.returncode}:\n{tail}")
+        shown = " ".join("<script>" if "\n" in a else a for a in cmd)
+        raise RuntimeError(f"`{shown}` exited {proc.returncode}:\n{tail}")
     return proc.stdout
 
 

@@ -30,18 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from driver_testlib import TINY_RUN
-from safetensors.torch import load_file
+from driver_testlib import TINY_RUN, assert_same_checkpoint
 
 pytestmark = pytest.mark.timeout(2400)
 
 NUM_STEPS = 3
 CRASH_CODE = 3
 SUBPROCESS_TIMEOUT_S = 600
-# Same samples, same order of operations: the runs agree far below one Adam step's
-# movement (lr 2e-3 and 3e-3); 1e-5 leaves room for float summation-order noise only.
-ATOL = 1e-5
+# Same samples, but not the same order of operations: which groups share a chunk depends
+# on arrival timing, so the summed gradients differ by float32 rounding and the runs are
+# compared within bounds derived from the checkpoints (driver_testlib.
+# assert_same_checkpoint), not a fixed tolerance. (The critic trains on the whole step in
+# one order; it often comes out bit-identical, but its inputs, values computed per chunk,
+# need not.)
+SAMPLES = 8 * 2  # ppo.num_prompts_per_step * ppo.num_generations_per_prompt (TINY_RUN)
 
 OVERRIDES = [f"run.num_steps={NUM_STEPS}", *TINY_RUN, "rollout.max_new_tokens=8"]
 
@@ -74,16 +76,6 @@ def _stderr_tail(run_dir: Path) -> str:
 
 def _latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
-
-
-def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor the actor and critic workers saved (parameters, optimizer state)."""
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("*/rank*/*.safetensors")):
-        for k, v in load_file(str(f)).items():
-            out[f"{f.parent.parent.name}/{f.name}/{k}"] = v
-    assert any(k.startswith("actor/") for k in out) and any(k.startswith("critic/") for k in out)
-    return out
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -158,17 +150,7 @@ def test_resumed_run_equals_uninterrupted_run(runs: dict[str, Any]) -> None:
     assert not list((crashed / "checkpoints").glob("*.partial"))  # pruned after resuming
 
     for step in range(1, NUM_STEPS + 1):  # written by runs 2, 4 and 4
-        name = f"step_{step:06d}"
-        want = _tensors(ref / "checkpoints" / name)
-        got = _tensors(crashed / "checkpoints" / name)
-        assert set(got) == set(want)
-        for role in ("actor/", "critic/"):
-            diff = max(
-                float((got[k].double() - want[k].double()).abs().max()) if want[k].numel() else 0.0
-                for k in want
-                if k.startswith(role)
-            )
-            assert diff < ATOL, f"{name} {role}: max |diff| {diff:.3g} >= {ATOL}"
+        assert_same_checkpoint(ref, crashed, step, samples=SAMPLES)
 
     ref_rows, got_rows = _rows(ref), _rows(crashed)
     assert [r["step"] for r in got_rows] == list(range(NUM_STEPS))  # none repeated or missing

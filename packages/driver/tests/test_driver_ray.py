@@ -22,12 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from driver_testlib import TINY_RUN
+from driver_testlib import TINY_RUN, assert_same_checkpoint
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.pump import InjectedFailure
 from ppo_driver.run import train
-from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -38,10 +36,11 @@ BASE = [
     "rollout.max_new_tokens=24",
     "rollout.decode_delay_s=0.02",
 ]
-# Float tolerance between runs whose chunks differ (sums of per-chunk gradients vs one
-# full-batch gradient, same samples): one Adam step (lr 2e-3 policy, 3e-3 critic) moves
-# a weight by ~1e-3, summation-order noise moves it by far less than 1e-5.
-ATOL = 1e-5
+# Runs whose chunks differ (sums of per-chunk gradients vs one full-batch gradient, same
+# samples) are compared within bounds derived from the checkpoints themselves
+# (driver_testlib.assert_same_checkpoint: float32 rounding of the gradients, what one or
+# several Adam steps make of it), not a fixed tolerance.
+SAMPLES = 8 * 2  # ppo.num_prompts_per_step * ppo.num_generations_per_prompt (TINY_RUN)
 
 CHUNK_RE = re.compile(r"train_pump: step (\d+) chunk (\d+): (\d+) groups, (\d+) samples")
 CLOSE_RE = re.compile(r"train_pump: step (\d+) closing on (\d+) chunk\(s\)")
@@ -81,23 +80,6 @@ class _ListHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-
-
-def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("*/rank*/*.safetensors")):
-        for k, v in load_file(str(f)).items():
-            out[f"{f.parent.parent.name}/{k}"] = v
-    assert any(k.startswith("actor/") for k in out) and any(k.startswith("critic/") for k in out)
-    return out
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: str = "") -> float:
-    keys = [k for k in a if k.startswith(prefix)]
-    assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
-    return max(
-        float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in keys
-    )
 
 
 def test_streaming_chunks_counters_and_outputs(
@@ -171,10 +153,7 @@ def test_full_batch_matches_streaming_after_one_step(
         run_dir=tmp_path,
         keep_ray=True,
     )
-    streamed = _tensors(run_dir / "checkpoints" / "step_000001")
-    full = _tensors(tmp_path / "checkpoints" / "step_000001")
-    assert _max_diff(streamed, full, "actor/") < ATOL
-    assert _max_diff(streamed, full, "critic/") < ATOL
+    assert_same_checkpoint(run_dir, tmp_path, 1, samples=SAMPLES)
     initial_moved = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert initial_moved["train/chunks"] == 1
 
@@ -200,9 +179,7 @@ def test_kill_mid_update_and_between_steps_then_resume(
     assert result.resumed_from == 1
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # nothing repeated, nothing lost
-    ref = _tensors(run_dir / "checkpoints" / "step_000003")
-    got = _tensors(tmp_path / "checkpoints" / "step_000003")
-    assert _max_diff(ref, got) < ATOL
+    assert_same_checkpoint(run_dir, tmp_path, 3, samples=SAMPLES)
     ref_state = json.loads((run_dir / "checkpoints" / "step_000003" / "driver.json").read_text())
     got_state = json.loads((tmp_path / "checkpoints" / "step_000003" / "driver.json").read_text())
     for key in ("completed_steps", "weight_version"):
@@ -285,7 +262,4 @@ def test_token_aggregation_streaming_matches_full_batch(tmp_path: Path) -> None:
         runs[name] = result.metrics[0]
     assert runs["streaming"]["train/chunks"] > 1 and runs["full"]["train/chunks"] == 1
     assert runs["streaming"]["actor/valid_tokens"] == runs["full"]["actor/valid_tokens"]
-    streamed = _tensors(tmp_path / "streaming" / "checkpoints" / "step_000001")
-    full = _tensors(tmp_path / "full" / "checkpoints" / "step_000001")
-    assert _max_diff(streamed, full, "actor/") < ATOL
-    assert _max_diff(streamed, full, "critic/") < ATOL
+    assert_same_checkpoint(tmp_path / "full", tmp_path / "streaming", 1, samples=SAMPLES)
