@@ -27,7 +27,7 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
     assert cfg.ppo.num_prompts_per_step == 64
     assert cfg.async_rl.min_groups_for_streaming_train == 8
     assert cfg.async_rl.sampler.name == "ready_first"
-    assert cfg.policy.lr == pytest.approx(2e-4)
+    assert cfg.policy.lr == 2e-4  # parsed from "2e-4": the same float64, exactly
 
 
 FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: full-batch
