@@ -402,3 +402,15 @@ def test_local_hf_tokenizer_directory(tmp_path: Path) -> None:
     assert (tok.pad_id, tok.eos_id, tok.vocab_size) == (0, 2, 6)
     with pytest.raises(ValueError, match="not a directory"):
         load_tokenizer(tmp_path / "missing")
+
+
+def test_confirm_weights_only_vouches_for_the_version_held() -> None:
+    """The driver may clear a restarted engine's ``needs_weights`` only for the version the
+    engine really holds; another version must be pushed, not vouched for."""
+    engine = EmbeddedEngine(
+        model=tiny_qwen2_config(vocab_size=TOK.vocab_size), run_seed=1, weight_version=2
+    )
+    with pytest.raises(ValueError, match="holds version 2, not 3; push the weights"):
+        engine.confirm_weights(version=3)
+    assert engine.confirm_weights(version=2) == 2
+    assert not engine.health().needs_weights

@@ -38,6 +38,7 @@ from ._types import (
     SampleOutput,
     SamplingParams,
     check_requests,
+    check_vouched_version,
     restarted_by_ray,
 )
 
@@ -326,11 +327,7 @@ class EmbeddedEngine:
         """The driver vouches that this engine's weights are ``version`` (see
         :class:`RolloutEngine`); a restarted engine generates again."""
         with self._lock:
-            if version != self.weight_version:
-                raise ValueError(
-                    f"engine {self.engine_id}: holds version {self.weight_version}, not "
-                    f"{version}; push the weights instead"
-                )
+            check_vouched_version(self.engine_id, holds=self.weight_version, version=version)
             self._needs_weights = False
         return self.weight_version
 

@@ -31,6 +31,7 @@ from ._types import (
     GroupRequest,
     SampleOutput,
     check_requests,
+    check_vouched_version,
     restarted_by_ray,
 )
 
@@ -220,11 +221,7 @@ class SglangEngine:
 
     def confirm_weights(self, *, version: int) -> int:
         with self._lock:
-            if version != self.weight_version:
-                raise ValueError(
-                    f"engine {self.engine_id}: holds version {self.weight_version}, not "
-                    f"{version}; push the weights instead"
-                )
+            check_vouched_version(self.engine_id, holds=self.weight_version, version=version)
             self._needs_weights = False
         return self.weight_version
 

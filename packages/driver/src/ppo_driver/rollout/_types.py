@@ -124,6 +124,15 @@ class EngineRestarted(RuntimeError):
     (:meth:`WeightRefitter.restore_engine`, the rollout manager's ``on_engine_restart``)."""
 
 
+def check_vouched_version(engine_id: str, *, holds: int, version: int) -> None:
+    """``confirm_weights`` of every engine: the driver may only vouch for the version the
+    engine really holds; anything else needs the weights pushed."""
+    if version != holds:
+        raise ValueError(
+            f"engine {engine_id}: holds version {holds}, not {version}; push the weights instead"
+        )
+
+
 def restarted_by_ray() -> bool:
     """True inside a Ray actor that Ray has restarted (its constructor runs again after
     the process died); False for a first start and outside Ray actors."""
