@@ -422,6 +422,33 @@ def test_wrong_denominator_is_rejected_before_update(backend: str) -> None:
         )
 
 
+def test_non_finite_update_is_refused_before_the_optimizer_step(backend: str) -> None:
+    """Advantages / returns of 1e30 (a runaway reward): the actor's gradient norm and the
+    critic's value loss overflow float32. Each worker refuses before its optimizer step,
+    naming the quantity, and nothing changes (weights, step counters)."""
+    data = prepared(backend)
+    huge = torch.full_like(data.advantages, 1e30) * data.batch["loss_mask"]
+    actor = ActorWorker(actor_config(backend))
+    weights = actor.export_weights()
+    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
+    actor.backward(
+        data.batch, old_logprobs=data.old_logprobs, advantages=huge, loss_denominator=den
+    )
+    with pytest.raises(FloatingPointError, match=r"actor/grad_norm = inf is not finite"):
+        actor.finish_step()
+    assert actor.global_step == 0
+    assert_states_close(actor.export_weights(), weights, rtol=0, atol=0)
+
+    critic = CriticWorker(critic_config(backend))
+    weights = critic.export_weights()
+    with pytest.raises(FloatingPointError, match=r"loss/value = inf is not finite"):
+        critic.train(
+            data.batch, returns=huge, old_values=data.old_values, epochs=1, mini_batch_size=6
+        )
+    assert critic.global_step == 0
+    assert_states_close(critic.export_weights(), weights, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- lifecycle
 
 

@@ -72,6 +72,9 @@ A ``TrainModel`` is a ``FrozenModel`` plus:
 * ``all_reduce_grads()``: SUM the gradients over the data-parallel group (no averaging).
 * ``scale_grads(factor)``: multiply the accumulated local gradients by ``factor``
   (streaming with a token denominator known only after the last chunk).
+* ``grad_norm() -> float``: the 2-norm of this rank's (reduced) gradients, read in
+  place (no copy); under tensor/pipeline parallelism, of this rank's shard. The workers
+  check it is finite before ``step()``.
 * ``step() -> dict[str, float]``: clip the global gradient norm to ``max_grad_norm``
   (when set), one optimizer step, one scheduler step; returns at least ``grad_norm``
   (before clipping) and ``lr`` (the rate used). Does not zero the gradients.
@@ -144,6 +147,8 @@ class TrainModel(FrozenModel, Protocol):
     def all_reduce_grads(self) -> None: ...
 
     def scale_grads(self, factor: float) -> None: ...
+
+    def grad_norm(self) -> float: ...
 
     def step(self) -> dict[str, float]: ...
 

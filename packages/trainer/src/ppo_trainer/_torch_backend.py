@@ -275,6 +275,14 @@ class TorchTrainModel(TorchFrozenModel):
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
+    def grad_norm(self) -> float:
+        # As clip_grad_norm_ computes it: per tensor in the gradients' dtype, then over
+        # the tensors (so it overflows exactly where the clipped update would).
+        norms = [torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None]
+        if not norms:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+
     def step(self) -> dict[str, float]:
         max_norm = self.config.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(

@@ -112,15 +112,6 @@ def _cpu_cat(parts: list[Tensor]) -> Tensor:
     return torch.cat([p.to("cpu") for p in parts], dim=0)
 
 
-def _grad_norm(model: TrainModel) -> float:
-    """This rank's gradient 2-norm, computed as ``clip_grad_norm_`` does (per tensor, in
-    the gradients' dtype, then over the tensors), so it overflows where the update would."""
-    norms = [torch.linalg.vector_norm(g) for g in model.grads().values()]
-    if not norms:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
-
-
 def _refuse_non_finite(model: TrainModel, where: str, values: Mapping[str, float]) -> None:
     """Raise ``FloatingPointError`` naming the first non-finite quantity, BEFORE the
     optimizer step (the accumulated gradients are discarded): a non-finite loss or
@@ -489,7 +480,7 @@ class ActorWorker(_Lifecycle):
         losses = {"loss/pg": totals["pg"], "loss/kl": totals["kl"]}
         _refuse_non_finite(self._policy, where, {**losses, "loss/entropy": totals["entropy"]})
         self._policy.all_reduce_grads()
-        _refuse_non_finite(self._policy, where, {"actor/grad_norm": _grad_norm(self._policy)})
+        _refuse_non_finite(self._policy, where, {"actor/grad_norm": self._policy.grad_norm()})
         stats = self._policy.step()
         self._policy.zero_grad()
         self.global_step += 1
@@ -681,7 +672,7 @@ class CriticWorker(_Lifecycle):
                 )
                 _refuse_non_finite(self._critic, where, {"loss/value": v_loss})
                 self._critic.all_reduce_grads()
-                grad_norm = _grad_norm(self._critic)
+                grad_norm = self._critic.grad_norm()
                 _refuse_non_finite(self._critic, where, {"critic/grad_norm": grad_norm})
                 stats = self._critic.step()
                 self._critic.zero_grad()

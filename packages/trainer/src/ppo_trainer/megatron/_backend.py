@@ -602,6 +602,19 @@ class MegatronTrainModel(MegatronFrozenModel):
         with _megatron_call():
             self.ddp.scale_gradients(factor)
 
+    def grad_norm(self) -> float:
+        # This rank's DDP gradient buffers (main_grad), read in place. Not the optimizer's
+        # get_grad_norm(): with the distributed optimizer its main gradients exist only
+        # inside step(). Under tensor/pipeline parallelism this is the rank's own shard.
+        norms = [
+            torch.linalg.vector_norm(g)
+            for _, p in self._named_params()
+            if (g := getattr(p, "main_grad", None)) is not None
+        ]
+        if not norms:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+
     def step(self) -> dict[str, float]:
         lr = self.config.lr * lr_multiplier(
             step=self._steps,
