@@ -203,6 +203,20 @@ class DriverConfig:
         return self.min_groups < self.batch_groups
 
     @property
+    def group_alignment(self) -> int:
+        """Batch and minimum must be multiples of this (both models' data-parallel and
+        micro-batch sizes; ``ppo_sampler.group_alignment``). ``ValueError`` if impossible."""
+        return int(
+            group_alignment(
+                generations_per_prompt=self.ppo.num_generations_per_prompt,
+                actor_dp=self.cluster.actor_gpus,
+                critic_dp=self.cluster.actor_gpus,
+                actor_micro_batch=self.policy.train_micro_batch_size,
+                critic_micro_batch=self.critic.train_micro_batch_size,
+            )
+        )
+
+    @property
     def samples_per_step(self) -> int:
         return self.ppo.num_prompts_per_step * self.ppo.num_generations_per_prompt
 
@@ -302,6 +316,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _non_finite_problem(key: str, value: Any) -> ConfigProblem:
+    return ConfigProblem(
+        key,
+        value,
+        "must be a finite number (NaN and infinity are refused)",
+        f"set {key} to a finite number",
+    )
+
+
 def _coerce(tp: Any, value: Any, key: str, problems: list[ConfigProblem]) -> Any:
     """Check ``value`` against the annotation ``tp``; record a problem and return None if bad.
 
@@ -354,14 +377,7 @@ def _coerce(tp: Any, value: Any, key: str, problems: list[ConfigProblem]) -> Any
         if number is not None:
             if math.isfinite(number):
                 return number
-            problems.append(
-                ConfigProblem(
-                    key,
-                    value,
-                    "must be a finite number (NaN and infinity are refused)",
-                    f"set {key} to a finite number",
-                )
-            )
+            problems.append(_non_finite_problem(key, value))
             return None
     elif tp is str:
         if isinstance(value, str):
@@ -553,15 +569,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     problems at once (errors and warnings); never raises.
     """
     r = ValidationReport()
-    for key, value in _non_finite(cfg):
-        r.errors.append(
-            ConfigProblem(
-                key,
-                value,
-                "must be a finite number (NaN and infinity are refused)",
-                f"set {key} to a finite number",
-            )
-        )
+    r.errors.extend(_non_finite_problem(key, value) for key, value in _non_finite(cfg))
     counts_ok = _check_ranges(r, cfg)
     _check_rules(r, cfg)
     _check_megatron(r, cfg)
@@ -964,18 +972,6 @@ def _check_megatron_install(r: ValidationReport, cfg: DriverConfig) -> None:
 # --------------------------------------------------------------------------- batch, layout
 
 
-def _alignment(cfg: DriverConfig) -> int:
-    return int(
-        group_alignment(
-            generations_per_prompt=cfg.ppo.num_generations_per_prompt,
-            actor_dp=cfg.cluster.actor_gpus,
-            critic_dp=cfg.cluster.actor_gpus,
-            actor_micro_batch=cfg.policy.train_micro_batch_size,
-            critic_micro_batch=cfg.critic.train_micro_batch_size,
-        )
-    )
-
-
 def _streaming_why(cfg: DriverConfig) -> str:
     return (
         f"streaming is on (async_rl.min_groups_for_streaming_train={cfg.min_groups} < "
@@ -1058,7 +1054,7 @@ def _check_alignment(r: ValidationReport, cfg: DriverConfig, *, streaming: bool)
     ppo = cfg.ppo
     batch, minimum = ppo.num_prompts_per_step, cfg.async_rl.min_groups_for_streaming_train
     try:
-        align = _alignment(cfg)
+        align = cfg.group_alignment
     except ValueError as exc:
         r.errors.append(
             ConfigProblem(

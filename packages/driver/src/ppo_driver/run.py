@@ -647,7 +647,7 @@ def _run(
     import ray
     import torch
     from ppo_placement import start_local_ray
-    from ppo_sampler import SamplerConfig, group_alignment, make_sampler
+    from ppo_sampler import SamplerConfig, make_sampler
     from ppo_trainer import ActorWorker, CriticWorker, gae, masked_whiten
 
     from ppo_driver.rollout import (
@@ -763,13 +763,6 @@ def _run(
             reward_timeout_s=cfg.rollout.reward_timeout_s,
             max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
         )
-        alignment = group_alignment(
-            generations_per_prompt=cfg.ppo.num_generations_per_prompt,
-            actor_dp=cfg.cluster.actor_gpus,
-            critic_dp=cfg.cluster.actor_gpus,
-            actor_micro_batch=cfg.policy.train_micro_batch_size,
-            critic_micro_batch=cfg.critic.train_micro_batch_size,
-        )
         trace = TraceRecorder(origin=t_run)
         mode = "streaming" if cfg.streaming else "full-batch"
 
@@ -790,7 +783,7 @@ def _run(
             rollout=manager,
             generation=generation,
             sampler=sampler,
-            alignment=alignment,
+            alignment=cfg.group_alignment,
             pad_id=tokenizer.pad_id,
             trace=trace,
             gae=gae,
