@@ -49,7 +49,12 @@ from ppo_trainer._math import (
     value_loss,
 )
 from ppo_trainer._parts import ALL_PARTS, KEEP_GRADIENTS, Part
-from ppo_trainer._torch_backend import build_causal_lm, build_value_model, save_hf_checkpoint
+from ppo_trainer._torch_backend import (
+    build_causal_lm,
+    build_value_model,
+    host_bound_tcp_store,
+    save_hf_checkpoint,
+)
 from ppo_trainer._workers import ActorWorker, CriticWorker, EmptyStepError, loss_denominator
 
 __version__ = "0.2.0"
@@ -85,6 +90,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "get_backend",
+    "host_bound_tcp_store",
     "kl_penalty",
     "logprobs_from_logits",
     "loss_denominator",

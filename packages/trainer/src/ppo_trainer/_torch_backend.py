@@ -11,6 +11,7 @@ Models stay in eval mode (no dropout), so chunked and full-batch runs agree.
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import logging
 import os
@@ -348,6 +349,20 @@ def tcp_rendezvous_store(init_method: str, *, rank: int, world_size: int) -> Any
     timeout = dist.constants.default_pg_timeout
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)  # type: ignore[attr-defined]
+    store, _ = host_bound_tcp_store(host, port, world_size, timeout=timeout)
+    return store
+
+
+def host_bound_tcp_store(
+    host: str, port: int, world_size: int, *, timeout: datetime.timedelta
+) -> tuple[Any, int]:
+    """A master ``TCPStore`` that listens on ``host`` only; ``port`` 0 takes a free one.
+    Returns ``(store, port)``.
+
+    torch's store server listens on every interface (``[::]``) whatever ``host`` says;
+    handed a socket already bound to ``host`` (``master_listen_fd``, which the store then
+    owns and closes) it stays there. Used by the data-parallel rendezvous here and by the
+    driver's weight-refit group."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -357,9 +372,10 @@ def tcp_rendezvous_store(init_method: str, *, rank: int, world_size: int) -> Any
     except OSError:
         sock.close()
         raise
-    fd = sock.detach()  # the store owns the socket from here on
+    port = int(sock.getsockname()[1])
+    fd = sock.detach()
     try:
-        return dist.TCPStore(  # type: ignore[attr-defined]
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             host,
             port,
             world_size,
@@ -371,6 +387,7 @@ def tcp_rendezvous_store(init_method: str, *, rank: int, world_size: int) -> Any
     except BaseException:
         os.close(fd)
         raise
+    return store, port
 
 
 def init_process_group(

@@ -21,7 +21,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ppo_trainer import host_bound_tcp_store
 from safetensors.torch import load_file, save_file
 
 _log = logging.getLogger(__name__)
@@ -92,42 +92,10 @@ class RefitGroup:
     store: Any
 
 
-def _listening_socket(host: str) -> socket.socket:
-    """A TCP socket listening on a free port of ``host`` only."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
-    """The master TCP store (rank 0) on a free port of ``host``; returns (store, port).
-
-    It listens on ``host`` only: left to itself, torch's store server listens on every
-    interface (``[::]``) whatever ``host`` says, so it gets a socket bound here
-    (``master_listen_fd``; the store owns and closes it)."""
-    sock = _listening_socket(host)
-    port = int(sock.getsockname()[1])
-    fd = sock.detach()
-    try:
-        store = _c10d.TCPStore(
-            host,
-            port,
-            world_size,
-            True,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=fd,
-        )
-    except BaseException:
-        os.close(fd)
-        raise
-    return store, port
+    """The master TCP store (rank 0) on a free port of ``host``, listening there only
+    (``ppo_trainer.host_bound_tcp_store``); returns (store, port)."""
+    return host_bound_tcp_store(host, 0, world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def connect_group(
