@@ -2,7 +2,8 @@
 generation runs on its own), its config, train pump, checkpoints and CLI.
 
 Light names (config) import eagerly; the rest (torch, Ray) load on first use, so that
-``ppo-driver validate`` stays fast.
+``import ppo_driver`` and ``ppo-driver --help`` stay fast (``validate`` loads torch: it
+runs the trainer's own config checks).
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ from ppo_driver.config import ConfigError, load_config
 
 __all__ = ["main"]
 
-_FAIL_ENV = "PPO_DRIVER_FAIL_AT"  # ppo_driver.run.FAIL_ENV (not imported: validate stays light)
-
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and the subcommands' parsers (overrides may come before,
@@ -112,15 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in report.warnings:
         print(warning, file=sys.stderr)
     if args.command == "validate":
-        fail_env = os.environ.get(_FAIL_ENV)
-        if fail_env:  # refused by train too; checked here only when set (it loads torch)
-            from ppo_driver.run import StartupError, parse_fail_at
+        # validate() has imported ppo_driver.run already (it checks the trainer configs)
+        from ppo_driver.run import FAIL_ENV, StartupError, parse_fail_at
 
-            try:
-                parse_fail_at(fail_env)
-            except StartupError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 1
+        try:
+            parse_fail_at(os.environ.get(FAIL_ENV))
+        except StartupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         if report.errors:
             print(f"{len(report.errors)} error(s):", file=sys.stderr)
             for problem in report.errors:
