@@ -3,10 +3,11 @@
 Run: ``uv run --frozen python bench/bench_trainer.py [--steps 6] [--batch 16] [--seq 32]``.
 
 One step on the default tiny model (``ModelSpec()``: Qwen2, vocab 128, hidden 64, 2
-layers), streaming over ``--chunks`` chunks: per chunk a critic value forward, an actor
-log-prob forward, GAE, per-chunk advantage whitening and an actor backward (loss over the
-whole step's valid tokens); then one actor optimizer step and ``--critic-epochs`` critic
-epochs in mini-batches of ``--mini-batch``. Both sides use the same transformers models,
+layers), streaming over ``--chunks`` chunks: per chunk a critic value forward, GAE,
+per-chunk advantage whitening and one actor ``train_chunk`` (loss over the whole step's
+valid tokens; one policy epoch, so the old log-probs are that forward's own and no
+separate log-prob forward runs, on both sides); then one actor optimizer step and
+``--critic-epochs`` critic epochs in mini-batches of ``--mini-batch``. Both sides use the same transformers models,
 the same ``ppo_trainer`` math functions, AdamW, grad clipping and micro-batch size; the
 baseline is a plain loop with none of the worker machinery (shape checks, micro-batch
 lists, metric bookkeeping, the backend indirection, checkpoints-ready state).
@@ -14,8 +15,9 @@ lists, metric bookkeeping, the backend indirection, checkpoints-ready state).
 Reported: tokens (``B * T``) per second of the step, best of ``--steps`` (runs of the
 two sides are interleaved so machine load hits both alike), and
 ``ratio = baseline tokens/s / worker tokens/s`` (target: at most 1.15). A third row runs
-the workers with the driver's lifecycle between chunks (actor keep-gradients sleep,
-critic wake/sleep), for information only: the baseline has no offload to compare with.
+the workers with the driver's lifecycle carried by each call (``wake_first`` /
+``sleep_after``: actor keep-gradients sleep, critic wake/sleep), for information only:
+the baseline moves no memory to compare with.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import statistics
 import time
 
 import torch
+from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS
 from ppo_trainer import (
-    KEEP_GRADIENTS,
     ActorConfig,
     ActorWorker,
     CriticConfig,
@@ -81,40 +83,34 @@ def worker_step(
     lifecycle: bool,
 ) -> None:
     den = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
+    # the driver's plan, carried by each call (one round trip per model per chunk)
+    wake = lifecycle
+    keep = KEEP_GRADIENTS if lifecycle else None
+    off = ALL_PARTS if lifecycle else None
     returns, old_values = [], []
     for sl in chunks_of(args.batch, args.chunks):
         chunk = {k: v[sl] for k, v in batch.items()}
-        if lifecycle:
-            critic.wake_up()
-        values = critic.compute_values(chunk)
-        if lifecycle:
-            critic.sleep()
-            actor.wake_up()
-        old_lp = actor.compute_logprobs(chunk)
+        values = critic.compute_values(chunk, wake_first=wake, sleep_after=off)
         adv, ret = gae(
             rewards=chunk["rewards"], values=values, mask=chunk["loss_mask"], gamma=1.0, lam=0.95
         )
         adv = masked_whiten(values=adv, mask=chunk["loss_mask"])
-        actor.backward(chunk, old_logprobs=old_lp, advantages=adv, loss_denominator=den)
-        if lifecycle:
-            actor.sleep(parts=KEEP_GRADIENTS)
+        actor.train_chunk(
+            chunk, advantages=adv, loss_denominator=den, wake_first=wake, sleep_after=keep
+        )
         returns.append(ret)
         old_values.append(values)
-    if lifecycle:
-        actor.wake_up()
-    actor.finish_step()
-    if lifecycle:
-        actor.sleep()
-        critic.wake_up()
+    actor.finish_step(wake_first=wake, sleep_after=off)
     critic.train(
         batch,
         returns=torch.cat(returns),
         old_values=torch.cat(old_values),
         epochs=args.critic_epochs,
         mini_batch_size=args.mini_batch,
+        wake_first=wake,
+        sleep_after=off,
     )
-    if lifecycle:  # as the driver: critic off, actor back for refit and the next step
-        critic.sleep()
+    if lifecycle:  # as the driver: actor back for refit and the next step
         actor.wake_up()
 
 
@@ -151,16 +147,13 @@ class Baseline:
                 values = torch.cat(
                     [self.values(ids[i : i + mb], am[i : i + mb]) for i in range(0, len(ids), mb)]
                 )
-                old_lp = torch.cat(
-                    [self.logprobs(ids[i : i + mb], am[i : i + mb]) for i in range(0, len(ids), mb)]
-                )
             adv, ret = gae(rewards=rew, values=values, mask=mask, gamma=1.0, lam=0.95)
             adv = masked_whiten(values=adv, mask=mask)
             for i in range(0, len(ids), mb):
                 lp = self.logprobs(ids[i : i + mb], am[i : i + mb])
                 loss = policy_loss(
                     logprobs=lp,
-                    old_logprobs=old_lp[i : i + mb],
+                    old_logprobs=lp.detach(),  # one policy epoch: this forward is the old policy
                     advantages=adv[i : i + mb],
                     mask=mask[i : i + mb],
                     eps_clip=0.2,

@@ -93,8 +93,7 @@ def test_workers_refuse_a_huge_reward_before_any_optimizer_step() -> None:
         ActorConfig(model=SPEC, device="cpu", lr=1e-2, micro_batch_size=2, loss_agg="sample")
     )
     before = _weights(actor)
-    old = actor.compute_logprobs(batch)
-    actor.backward(batch, old_logprobs=old, advantages=huge, loss_denominator=4.0)
+    actor.train_chunk(batch, advantages=huge, loss_denominator=4.0)
     with pytest.raises(FloatingPointError, match=r"actor/grad_norm = inf is not finite"):
         actor.finish_step()
     assert actor.global_step == 0

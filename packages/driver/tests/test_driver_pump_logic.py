@@ -1,24 +1,20 @@
-"""The pump's pure parts: chunk selection with the real sampler, batch assembly, and the
-residency plan it executes (no Ray, no models)."""
+"""The pump's pure parts: chunk selection with the real sampler, typed batch assembly,
+row splitting over the mesh (no Ray, no models). The residency plan is
+ppo_lifecycle's ``ResidencyPlanner`` (tested there)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 import pytest
 import torch
-from ppo_driver.pump import (
-    ChunkGate,
-    NonFiniteError,
-    _Residency,
-    _sum_dicts,
-    assemble_full_batch,
-    check_finite_metrics,
-)
-from ppo_driver.trace import TraceRecorder
-from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Phase, Role
+from ppo_driver.batch import ChunkBatch, StepBatch
+from ppo_driver.pump import ChunkGate, NonFiniteError, check_finite_metrics
+from ppo_driver.workers import GroupResult, data_parallel_layout, shard_rows
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
+from ppo_trainer import Mesh
 
 
 def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> list[list[int]]:
@@ -86,139 +82,111 @@ def test_steps_never_share_or_lose_groups() -> None:
     assert sorted(seen) == list(range(24))
 
 
-def _chunk(pids: list[int], width: int) -> dict[str, torch.Tensor]:
+def _chunk(pids: list[int], width: int) -> ChunkBatch:
     b = len(pids)
-    return {
-        "input_ids": torch.arange(b * width).reshape(b, width) + 3,
-        "loss_mask": torch.ones(b, width),
-        "prompt_indices": torch.tensor(pids),
-    }
+    zeros = torch.zeros(b, width)
+    return ChunkBatch(
+        input_ids=torch.arange(b * width).reshape(b, width) + 3,
+        attention_mask=torch.ones(b, width, dtype=torch.long),
+        loss_mask=torch.ones(b, width),
+        rewards=zeros,
+        engine_logprobs=zeros,
+        sample_rewards=torch.arange(float(b)),
+        weight_versions=torch.zeros(b, dtype=torch.long),
+        prompt_indices=torch.tensor(pids),
+        old_values=zeros,
+        advantages=zeros,
+        returns=zeros,
+    )
 
 
-def test_assemble_full_batch_pads_and_orders_by_prompt() -> None:
-    full = assemble_full_batch([_chunk([5, 1], 3), _chunk([0, 2, 4], 5)], pad_id=0)
-    assert full["prompt_indices"].tolist() == [0, 1, 2, 4, 5]
-    assert full["input_ids"].shape == (5, 5)
+def test_step_batch_pads_and_orders_by_prompt() -> None:
+    full = StepBatch.assemble(
+        [_chunk([5, 1], 3), _chunk([0, 2, 4], 5)], pad_id=0, group_sizes=[2, 3]
+    )
+    assert full.prompt_indices.tolist() == [0, 1, 2, 4, 5]
+    assert full.input_ids.shape == (5, 5)
+    assert full.chunk_sizes == (2, 3)
     # rows of the narrow chunk are right padded with pad_id and mask 0
-    row1 = full["input_ids"][1]
-    assert row1[3:].tolist() == [0, 0]
-    assert full["loss_mask"][1, 3:].tolist() == [0.0, 0.0]
+    assert full.input_ids[1, 3:].tolist() == [0, 0]
+    assert full.loss_mask[1, 3:].tolist() == [0.0, 0.0]
+    assert full.attention_mask[1, 3:].tolist() == [0, 0]
 
 
-class _Recorder:
-    """Stands in for a TrainGroup: records the lifecycle calls the plan issues."""
-
-    def __init__(self, name: str, log: list[str]) -> None:
-        self.name, self.log = name, log
-
-    def call(self, method: str, **kwargs: Any) -> list[None]:
-        parts = kwargs.get("parts")
-        tag = "" if parts is None else ("(keep_grads)" if parts == KEEP_GRADIENTS else "(all)")
-        assert parts in (None, KEEP_GRADIENTS, ALL_PARTS)
-        self.log.append(f"{self.name}.{method}{tag}")
-        return [None]
+def test_chunk_batch_names_the_stage_of_a_field_not_filled_yet() -> None:
+    rows = _chunk([0], 2).model_inputs()
+    assert sorted(rows) == ["attention_mask", "input_ids", "loss_mask"]
+    bare = dataclasses.replace(_chunk([0], 2), advantages=None)
+    with pytest.raises(ValueError, match="advantages is not filled yet"):
+        bare.need("advantages")
+    with pytest.raises(ValueError, match=r"missing \['rewards'"):
+        ChunkBatch.from_rollout({k: v for k, v in rows.items()})
+    with pytest.raises(ValueError, match="advantages is not filled yet"):
+        StepBatch.assemble([bare], pad_id=0, group_sizes=[1])
 
 
-def test_residency_keeps_actor_grads_between_chunks_and_never_switches_redundantly() -> None:
-    log: list[str] = []
-    res = _Residency(_Recorder("actor", log), _Recorder("critic", log), TraceRecorder())
-    res.start()
-    log.clear()
-    for _chunk_index in range(2):
-        res.prepare(Phase.VALUE_FORWARD, step=0)
-        res.prepare(Phase.POLICY_FORWARD, step=0)
-        res.prepare(Phase.POLICY_BACKWARD, step=0)
-        res.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=0)  # prepare the critic before waiting
-        res.prepare(Phase.WAIT, Phase.VALUE_FORWARD, step=0)  # an empty selection: nothing moves
-    res.prepare(Phase.VALUE_FORWARD, step=0)
-    res.prepare(Phase.POLICY_UPDATE, step=0)
-    res.prepare(Phase.REFIT, step=0)
-    res.prepare(Phase.CRITIC_TRAIN, step=0)
-    assert log == [
-        "critic.sleep(all)", "actor.wake_up",
-        "actor.sleep(keep_grads)", "critic.wake_up",
-        "critic.sleep(all)", "actor.wake_up",
-        "actor.sleep(keep_grads)", "critic.wake_up",
-        "critic.sleep(all)", "actor.wake_up",
-        "actor.sleep(all)", "critic.wake_up",
-    ]  # fmt: skip
-    saved: list[str] = []
-    res.save_both(saved.append, step=0)
-    assert saved == ["critic", "actor"]
-    assert res.resident == "critic"
+def test_rows_split_over_data_parallel_ranks_only() -> None:
+    """Tensor/pipeline peers of one data-parallel rank get the same rows; results come
+    from one rank per data-parallel group, in data-parallel order."""
+    assert [(s.start, s.stop) for s in shard_rows(8, 2)] == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="do not split over 3 data-parallel ranks"):
+        shard_rows(8, 3)
 
+    def mesh(rank: int, dp_rank: int, dp_size: int = 2) -> Mesh:
+        tp = 4 // dp_size
+        return Mesh(
+            rank=rank, world_size=4, dp_rank=dp_rank, dp_size=dp_size, tp_size=tp, pp_size=1
+        )
 
-def test_fused_chunk_plan_moves_each_switch_into_the_neighbouring_model_call() -> None:
-    """The pump fuses a chunk's switches into its model calls: the critic leaves in the
-    call that computes values, the actor arrives in the call that computes log-probs,
-    and leaves (keeping gradients) in its backward call; nothing is planned twice."""
-    log: list[str] = []
-    res = _Residency(_Recorder("actor", log), _Recorder("critic", log), TraceRecorder())
-    res.start()
-    log.clear()
-    assert res.plan(Phase.VALUE_FORWARD) == []  # the critic is already resident
-    to_actor = res.plan(Phase.POLICY_FORWARD)
-    split = res.split(to_actor, after=Role.CRITIC)
-    assert split is not None
-    lead, follow = split
-    assert [f"{t}" for t in lead] == ["critic.sleep(all)"]
-    assert [f"{t}" for t in follow] == ["actor.wake_up"]
-    ops = res.as_ops([*lead, *follow])
-    assert [(op.method, op.kwargs, op.phase) for op in ops] == [
-        ("sleep", {"parts": ALL_PARTS}, "switch"),
-        ("wake_up", {}, "switch"),
-    ]
-    assert res.plan(Phase.POLICY_BACKWARD) == []
-    to_critic = res.plan(Phase.WAIT, Phase.VALUE_FORWARD)
-    split = res.split(to_critic, after=Role.ACTOR)
-    assert split is not None
-    assert [f"{t}" for t in split[0]] == ["actor.sleep(keep_grads)"]
-    assert res.as_ops(split[0])[0].kwargs == {"parts": KEEP_GRADIENTS}
-    assert [f"{t}" for t in split[1]] == ["critic.wake_up"]
-    # planned = taken as done: an empty selection moves nothing, no call was made here
-    assert res.plan(Phase.WAIT, Phase.VALUE_FORWARD) == []
-    assert res.resident == Role.CRITIC and res.switches == 2
-    assert log == []
-    # a plan whose shape cannot be fused (the first role again after the other) is refused
-    assert res.split([*follow, *lead], after=Role.CRITIC) is None
+    # 4 ranks, TP=2 (megatron's order: tensor ranks adjacent): dp rank 0 = ranks 0, 1
+    dp_of, leaders = data_parallel_layout([mesh(r, r // 2) for r in range(4)])
+    assert dp_of == [0, 0, 1, 1] and leaders == [0, 2]
+    # PP=2 with DP=2 (pipeline stages outermost): dp rank = rank % 2
+    dp_of, leaders = data_parallel_layout([mesh(r, r % 2) for r in range(4)])
+    assert dp_of == [0, 1, 0, 1] and leaders == [0, 1]
+    with pytest.raises(ValueError, match="different data-parallel sizes"):
+        data_parallel_layout([mesh(0, 0), mesh(1, 0, dp_size=1)])
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of 2 have no member"):
+        data_parallel_layout([mesh(r, 0) for r in range(4)])
+    got = GroupResult(values=[torch.tensor([1.0]), torch.tensor([2.0])])
+    assert got.tensor().tolist() == [1.0, 2.0]
 
 
 class _EchoWorker:
     def __init__(self, config: Any, *, rank: int, world_size: int, dist_init_method: Any) -> None:
         self.rank = rank
 
-    def double(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+    def mesh(self) -> Mesh:
+        return Mesh(rank=self.rank, world_size=1, dp_rank=0, dp_size=1, tp_size=1, pp_size=1)
 
-    def add(self, a: torch.Tensor, *, b: torch.Tensor) -> torch.Tensor:
-        return a + b
+    def double(self, rows: dict[str, torch.Tensor], *, scale: torch.Tensor) -> torch.Tensor:
+        return rows["x"] * 2 * scale
 
 
-def test_fused_call_runs_ops_in_order_and_recalls_earlier_results() -> None:
-    """``_Host.run``: one round trip for several worker calls; ``Recall`` hands an op
-    what an earlier call on the same rank returned, without the driver."""
-    from ppo_driver.workers import Recall, _Host
+def test_host_builds_on_request_and_calls_with_rows_and_per_sample_tensors() -> None:
+    """``_Host``: the process starts empty, ``build`` makes the worker (the driver
+    builds one model at a time), ``call`` passes the rows positionally and times it."""
+    from ppo_driver.workers import _Host
 
     threads = torch.get_num_threads()
     try:
         host = _Host(_EchoWorker, None, 0, 1, None)
+        assert host.worker is None
+        assert host.build().dp_size == 1
     finally:
         torch.set_num_threads(threads)
-    x = torch.arange(3.0)
-    out = host.run([("double", (x,), {}), ("add", (x,), {"b": Recall("double")})])
-    assert [r.tolist() for r, _, _ in out] == [[0.0, 2.0, 4.0], [0.0, 3.0, 6.0]]
-    assert all(t0 <= t1 for _, t0, t1 in out)
-    # a later call still recalls the latest result
-    (again,) = host.run([("add", (Recall("add"),), {"b": x})])
-    assert again[0].tolist() == [0.0, 4.0, 8.0]
-    with pytest.raises(ValueError, match="no result of missing"):
-        host.run([("add", (x,), {"b": Recall("missing")})])
+    out, timeline = host.call("double", {"x": torch.arange(3.0)}, {"scale": torch.ones(3)}, {})
+    assert out.tolist() == [0.0, 2.0, 4.0]
+    ((label, t0, t1),) = timeline
+    assert label == "double" and t0 <= t1
 
 
 def test_metric_reducer_keeps_non_finite_values_and_the_step_refuses_them() -> None:
     """Issue 11: the reducer used to drop a non-finite value, so ``loss/value`` silently
     vanished from metrics.jsonl; now it is kept and the step is refused, naming it."""
-    summed = _sum_dicts([{"loss/value": 1.0, "n": 1.0}, {"loss/value": float("inf"), "n": 2.0}])
+    summed = GroupResult(
+        values=[{"loss/value": 1.0, "n": 1.0}, {"loss/value": float("inf"), "n": 2.0}]
+    ).summed()
     assert summed == {"loss/value": float("inf"), "n": 3.0}
     check_finite_metrics(4, {"step": 4, "loss/pg": 0.5, "train/chunk_groups": [2, 2]})
     with pytest.raises(NonFiniteError, match=r"^step 4: non-finite metric\(s\): ") as info:

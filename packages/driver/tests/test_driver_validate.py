@@ -1,16 +1,19 @@
 """``ppo-driver validate`` refuses, before Ray starts, every value that the trainer, the
 sampler, the placement or the engines would refuse later, and reports all of them at once.
 
-Each row is a config the old validate called "OK" and that then failed after Ray had
-started (or silently misbehaved); the test asserts the problem names its YAML key and
-carries a fix.
+``AGREEMENT`` is the validate/trainer agreement table: every error a package raises for a
+field YAML reaches, fed through ``validate``, which must name the YAML key. ``CASES`` are
+the driver's own keys and rules (ranges of keys no package reads, non-finite floats,
+files, the reward). Each problem names its YAML key and carries a fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,16 @@ from ppo_driver.config import (
     DriverConfig,
     default_config_path,
     load_config,
+    trainer_configs,
     validate,
 )
+from ppo_placement import check_streaming_layout, placement_layout
+from ppo_sampler import SamplerConfig
+from ppo_trainer import ActorConfig, CriticConfig, ModelSpec
 
 FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: full-batch
 MEGATRON = ["policy.megatron_cfg.enabled=true", "critic.megatron_cfg.enabled=true"]
+ROLES = ("policy", "critic")
 REWARDS = "driver_validate_rewards"  # a reward module written by the `reward_module` fixture
 
 
@@ -70,33 +78,626 @@ def reward_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return REWARDS
 
 
-CASES = [
-    # --- PPO loss constants (ppo_trainer.ActorConfig / CriticConfig refuse them) -----
-    pytest.param(["ppo.dual_clip=0.5"], "ppo.dual_clip", "> 1", id="dual-clip-not-above-1"),
-    pytest.param(["ppo.eps_clip_high=-1"], "ppo.eps_clip_high", "> 0", id="eps-clip-high-neg"),
-    pytest.param(["ppo.value_clip=-1"], "ppo.value_clip", "> 0", id="value-clip-negative"),
-    pytest.param(["ppo.eps_clip=1.5"], "ppo.eps_clip", "(0, 1)", id="eps-clip-above-1"),
-    pytest.param(["ppo.eps_clip=0"], "ppo.eps_clip", "(0, 1)", id="eps-clip-zero"),
-    pytest.param(["ppo.entropy_coef=-1"], "ppo.entropy_coef", ">= 0", id="entropy-coef-neg"),
-    # --- optimizer settings of both models ---------------------------------------------
-    pytest.param(["policy.max_grad_norm=-1"], "policy.max_grad_norm", "> 0", id="policy-gn"),
-    pytest.param(["critic.max_grad_norm=0"], "critic.max_grad_norm", "> 0", id="critic-gn"),
-    pytest.param(["policy.weight_decay=-1"], "policy.weight_decay", ">= 0", id="policy-wd"),
-    pytest.param(["critic.weight_decay=-1"], "critic.weight_decay", ">= 0", id="critic-wd"),
-    pytest.param(["policy.warmup_steps=-1"], "policy.warmup_steps", ">= 0", id="policy-warmup"),
-    pytest.param(["critic.warmup_steps=-5"], "critic.warmup_steps", ">= 0", id="critic-warmup"),
-    pytest.param(["critic.lr=0"], "critic.lr", "> 0", id="critic-lr-zero"),
-    # --- model shape (ppo_trainer.ModelSpec) -------------------------------------------
-    pytest.param(
-        ["policy.hidden_size=66"], "policy.hidden_size", "num_attention_heads", id="hidden-heads"
+# --------------------------------------------------------------------------- the agreement
+#
+# The validate/trainer agreement (issue 12): every ValueError that a package raises for a
+# field YAML can reach, enumerated from the packages' source (ppo_trainer's ModelSpec,
+# ActorConfig, CriticConfig, the Megatron option parser and what the Megatron backend
+# refuses at set-up; ppo_sampler.SamplerConfig; ppo_placement.placement_layout and
+# check_streaming_layout). Each row feeds the value through `validate` and asserts it is
+# caught there, naming the YAML key; `refuse` builds the package's own object with the
+# same value and proves the package really refuses it (so a row cannot rot silently).
+# No Ray, no model built: a row costs one `validate`.
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    field: str  # the package's field, "Class.field" (the coverage test counts them)
+    overrides: tuple[str, ...]
+    key: str  # the YAML key validate must name
+    words: str  # from the package's own message (or the driver's, for set-up rules)
+    refuse: Callable[[], object] | None  # the package refusing it directly (None: set-up)
+    megatron: bool = False  # the row needs the megatron extra (the option parser)
+
+
+def _parse(options: dict[str, Any], role: str = "policy") -> object:
+    from ppo_trainer.megatron import parse_options
+
+    return parse_options(options, role=role)
+
+
+def _streaming_colocated() -> None:
+    check_streaming_layout(
+        placement_layout(actor_gpus=1, rollout_gpus=1, colocate=True), streaming=True
+    )
+
+
+BATCH = {"num_prompts_per_step": 16, "min_groups_for_streaming_train": 4}
+MXFP8 = ["policy.megatron_cfg.fp8_param=true", "policy.megatron_cfg.fp8_recipe=mxfp8"]
+
+AGREEMENT = [
+    # --- ppo_trainer.ModelSpec: the tiny model of policy.* / critic.* ------------------
+    Case(
+        "ModelSpec.hidden_size",
+        ("policy.hidden_size=0",),
+        "policy.hidden_size",
+        "positive integer",
+        lambda: ModelSpec(hidden_size=0),
     ),
-    pytest.param(
-        ["critic.num_key_value_heads=3"],
+    Case(
+        "ModelSpec.hidden_size",
+        ("critic.hidden_size=66",),
+        "critic.hidden_size",
+        "divisible",
+        lambda: ModelSpec(hidden_size=66),
+    ),
+    Case(
+        "ModelSpec.intermediate_size",
+        ("critic.intermediate_size=0",),
+        "critic.intermediate_size",
+        "positive integer",
+        lambda: ModelSpec(intermediate_size=0),
+    ),
+    Case(
+        "ModelSpec.num_hidden_layers",
+        ("policy.num_hidden_layers=0",),
+        "policy.num_hidden_layers",
+        "positive integer",
+        lambda: ModelSpec(num_hidden_layers=0),
+    ),
+    Case(
+        "ModelSpec.num_attention_heads",
+        ("critic.num_attention_heads=-4",),
+        "critic.num_attention_heads",
+        "positive integer",
+        lambda: ModelSpec(num_attention_heads=-4),
+    ),
+    Case(
+        "ModelSpec.num_key_value_heads",
+        ("policy.num_key_value_heads=0",),
+        "policy.num_key_value_heads",
+        "positive integer",
+        lambda: ModelSpec(num_key_value_heads=0),
+    ),
+    Case(
+        "ModelSpec.num_key_value_heads",
+        ("critic.num_key_value_heads=3",),
         "critic.num_key_value_heads",
-        "num_attention_heads",
-        id="kv-heads-divide-heads",
+        "must divide",
+        lambda: ModelSpec(num_key_value_heads=3),
     ),
-    pytest.param(["policy.num_hidden_layers=0"], "policy.num_hidden_layers", ">= 1", id="layers"),
+    # --- ActorConfig / CriticConfig: the optimizer of each model ------------------------
+    Case(
+        "ActorConfig.lr",
+        ("policy.lr=0",),
+        "policy.lr",
+        "positive finite",
+        lambda: ActorConfig(lr=0),
+    ),
+    Case(
+        "CriticConfig.lr",
+        ("critic.lr=-1",),
+        "critic.lr",
+        "positive finite",
+        lambda: CriticConfig(lr=-1),
+    ),
+    Case(
+        "ActorConfig.weight_decay",
+        ("policy.weight_decay=-1",),
+        "policy.weight_decay",
+        ">= 0",
+        lambda: ActorConfig(weight_decay=-1),
+    ),
+    Case(
+        "CriticConfig.weight_decay",
+        ("critic.weight_decay=-0.5",),
+        "critic.weight_decay",
+        ">= 0",
+        lambda: CriticConfig(weight_decay=-0.5),
+    ),
+    Case(
+        "ActorConfig.max_grad_norm",
+        ("policy.max_grad_norm=-1",),
+        "policy.max_grad_norm",
+        "positive norm",
+        lambda: ActorConfig(max_grad_norm=-1),
+    ),
+    Case(
+        "CriticConfig.max_grad_norm",
+        ("critic.max_grad_norm=0",),
+        "critic.max_grad_norm",
+        "positive norm",
+        lambda: CriticConfig(max_grad_norm=0),
+    ),
+    Case(
+        "ActorConfig.warmup_steps",
+        ("policy.warmup_steps=-1",),
+        "policy.warmup_steps",
+        ">= 0",
+        lambda: ActorConfig(warmup_steps=-1),
+    ),
+    Case(
+        "CriticConfig.warmup_steps",
+        ("critic.warmup_steps=-5",),
+        "critic.warmup_steps",
+        ">= 0",
+        lambda: CriticConfig(warmup_steps=-5),
+    ),
+    # 0 used to become "null" on its way to the trainer (`or`): now it reaches the check.
+    Case(
+        "ActorConfig.micro_batch_size",
+        ("policy.train_micro_batch_size=0",),
+        "policy.train_micro_batch_size",
+        "positive integer",
+        lambda: ActorConfig(micro_batch_size=0),
+    ),
+    Case(
+        "CriticConfig.micro_batch_size",
+        ("critic.train_micro_batch_size=-2",),
+        "critic.train_micro_batch_size",
+        "positive integer",
+        lambda: CriticConfig(micro_batch_size=-2),
+    ),
+    Case(
+        "ActorConfig.loss_agg",
+        ("ppo.loss_agg=mean",),
+        "ppo.loss_agg",
+        "'token', 'sample'",
+        lambda: ActorConfig(loss_agg="mean"),
+    ),
+    Case(
+        "CriticConfig.loss_agg",
+        ("ppo.loss_agg=seq",),
+        "ppo.loss_agg",
+        "'token', 'sample'",
+        lambda: CriticConfig(loss_agg="seq"),
+    ),
+    # --- ActorConfig: the PPO loss ------------------------------------------------------
+    Case(
+        "ActorConfig.eps_clip",
+        ("ppo.eps_clip=0",),
+        "ppo.eps_clip",
+        "(0, 1)",
+        lambda: ActorConfig(eps_clip=0),
+    ),
+    Case(
+        "ActorConfig.eps_clip",
+        ("ppo.eps_clip=1.5",),
+        "ppo.eps_clip",
+        "(0, 1)",
+        lambda: ActorConfig(eps_clip=1.5),
+    ),
+    Case(
+        "ActorConfig.eps_clip_high",
+        ("ppo.eps_clip_high=-1",),
+        "ppo.eps_clip_high",
+        "positive value or null",
+        lambda: ActorConfig(eps_clip_high=-1),
+    ),
+    Case(
+        "ActorConfig.eps_clip_high",
+        ("ppo.eps_clip_high=0",),
+        "ppo.eps_clip_high",
+        "positive value or null",
+        lambda: ActorConfig(eps_clip_high=0),
+    ),
+    Case(
+        "ActorConfig.dual_clip",
+        ("ppo.dual_clip=0.5",),
+        "ppo.dual_clip",
+        "> 1",
+        lambda: ActorConfig(dual_clip=0.5),
+    ),
+    Case(
+        "ActorConfig.dual_clip",
+        ("ppo.dual_clip=1",),
+        "ppo.dual_clip",
+        "> 1",
+        lambda: ActorConfig(dual_clip=1.0),
+    ),
+    Case(
+        "ActorConfig.kl_loss_coef",
+        ("ppo.kl_loss_coef=-0.1",),
+        "ppo.kl_loss_coef",
+        ">= 0",
+        lambda: ActorConfig(kl_loss_coef=-0.1),
+    ),
+    Case(
+        "ActorConfig.kl_estimator",
+        ("ppo.kl_estimator=k9",),
+        "ppo.kl_estimator",
+        "'k3'",
+        lambda: ActorConfig(kl_estimator="k9"),
+    ),
+    Case(
+        "ActorConfig.entropy_coef",
+        ("ppo.entropy_coef=-1",),
+        "ppo.entropy_coef",
+        ">= 0",
+        lambda: ActorConfig(entropy_coef=-1),
+    ),
+    Case(
+        "CriticConfig.value_clip",
+        ("ppo.value_clip=-1",),
+        "ppo.value_clip",
+        "positive value or null",
+        lambda: CriticConfig(value_clip=-1),
+    ),
+    Case(
+        "CriticConfig.value_clip",
+        ("ppo.value_clip=0",),
+        "ppo.value_clip",
+        "positive value or null",
+        lambda: CriticConfig(value_clip=0),
+    ),
+    # --- ppo_sampler.SamplerConfig --------------------------------------------------------
+    Case(
+        "SamplerConfig.num_prompts_per_step",
+        ("ppo.num_prompts_per_step=0",),
+        "ppo.num_prompts_per_step",
+        "int >= 1",
+        lambda: SamplerConfig(num_prompts_per_step=0, min_groups_for_streaming_train=1),
+    ),
+    Case(
+        "SamplerConfig.min_groups_for_streaming_train",
+        ("async_rl.min_groups_for_streaming_train=0",),
+        "async_rl.min_groups_for_streaming_train",
+        "int >= 1",
+        lambda: SamplerConfig(num_prompts_per_step=16, min_groups_for_streaming_train=0),
+    ),
+    Case(
+        "SamplerConfig.min_groups_for_streaming_train",
+        ("async_rl.min_groups_for_streaming_train=17",),
+        "async_rl.min_groups_for_streaming_train",
+        "exceeds ppo.num_prompts_per_step=16",
+        lambda: SamplerConfig(num_prompts_per_step=16, min_groups_for_streaming_train=17),
+    ),
+    Case(
+        "SamplerConfig.name",
+        ("async_rl.sampler.name=fifo",),
+        "async_rl.sampler.name",
+        "'in_order', 'ready_first'",
+        lambda: SamplerConfig(**BATCH, name="fifo"),
+    ),
+    Case(
+        "SamplerConfig.max_lookahead_versions",
+        ("async_rl.sampler.max_lookahead_versions=-1",),
+        "async_rl.sampler.max_lookahead_versions",
+        "int >= 0",
+        lambda: SamplerConfig(**BATCH, max_lookahead_versions=-1),
+    ),
+    Case(
+        "SamplerConfig.max_staleness_versions",
+        ("async_rl.sampler.max_staleness_versions=-2",),
+        "async_rl.sampler.max_staleness_versions",
+        "int >= 0",
+        lambda: SamplerConfig(**BATCH, max_staleness_versions=-2),
+    ),
+    # A non-bool never gets past the YAML coercion (it names the key the same way).
+    Case(
+        "SamplerConfig.evict_stale",
+        ("async_rl.sampler.evict_stale=3",),
+        "async_rl.sampler.evict_stale",
+        "expected bool",
+        lambda: SamplerConfig(**BATCH, evict_stale=3),
+    ),  # type: ignore[arg-type]
+    # --- ppo_placement ----------------------------------------------------------------------
+    Case(
+        "placement_layout.actor_gpus",
+        ("cluster.actor_gpus=0",),
+        "cluster.actor_gpus",
+        "training is on",
+        lambda: placement_layout(actor_gpus=0, rollout_gpus=1),
+    ),
+    Case(
+        "placement_layout.actor_gpus",
+        ("cluster.actor_gpus=-1",),
+        "cluster.actor_gpus",
+        ">= 0",
+        lambda: placement_layout(actor_gpus=-1, rollout_gpus=1),
+    ),
+    Case(
+        "placement_layout.rollout_gpus",
+        ("cluster.rollout_gpus=-1",),
+        "cluster.rollout_gpus",
+        ">= 0",
+        lambda: placement_layout(actor_gpus=1, rollout_gpus=-1),
+    ),
+    Case(
+        "placement_layout.rollout_gpus",
+        (FULL, "cluster.rollout_gpus=0"),
+        "cluster.rollout_gpus",
+        "generation runs locally",
+        lambda: placement_layout(actor_gpus=1, rollout_gpus=0),
+    ),
+    Case(
+        "placement_layout.colocate",
+        ("cluster.colocate=true",),
+        "cluster.colocate",
+        "own devices",
+        _streaming_colocated,
+    ),
+    # --- the Megatron option parser (ppo_trainer.megatron.parse_options) -----------------
+    Case(
+        "parse_options.use_megatron_fsdp",
+        (*MEGATRON, "policy.megatron_cfg.use_megatron_fsdp=true"),
+        "policy.megatron_cfg.use_megatron_fsdp",
+        "classic Megatron DDP",
+        lambda: _parse({"use_megatron_fsdp": True}),
+        megatron=True,
+    ),
+    Case(
+        "parse_options.use_megatron_fsdp",
+        (*MEGATRON, FULL, "critic.megatron_cfg.use_megatron_fsdp=true"),
+        "critic.megatron_cfg.use_megatron_fsdp",
+        "classic Megatron DDP",
+        lambda: _parse({"use_megatron_fsdp": True}, "critic"),
+        megatron=True,
+    ),
+    Case(
+        "MegatronOptions.use_distributed_optimizer",
+        (*MEGATRON, *MXFP8, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"),
+        "policy.megatron_cfg.optimizer.use_distributed_optimizer",
+        "MXFP8",
+        lambda: _parse(
+            {
+                "fp8_param": True,
+                "fp8_recipe": "mxfp8",
+                "optimizer": {"use_distributed_optimizer": True},
+            }
+        ),
+        megatron=True,
+    ),
+    Case(
+        "MegatronOptions.tensor_model_parallel_size",
+        (
+            *MEGATRON,
+            "policy.megatron_cfg.tensor_model_parallel_size=0",
+            "critic.megatron_cfg.tensor_model_parallel_size=0",
+        ),
+        "policy.megatron_cfg.tensor_model_parallel_size",
+        "positive integer",
+        lambda: _parse({"tensor_model_parallel_size": 0}),
+        megatron=True,
+    ),
+    Case(
+        "MegatronOptions.pipeline_model_parallel_size",
+        (
+            *MEGATRON,
+            "policy.megatron_cfg.pipeline_model_parallel_size=-1",
+            "critic.megatron_cfg.pipeline_model_parallel_size=-1",
+        ),
+        "critic.megatron_cfg.pipeline_model_parallel_size",
+        "positive integer",
+        lambda: _parse({"pipeline_model_parallel_size": -1}, "critic"),
+        megatron=True,
+    ),
+    Case(
+        "MegatronOptions.transformer_impl",
+        (*MEGATRON, "policy.megatron_cfg.transformer_impl=te"),
+        "policy.megatron_cfg.transformer_impl",
+        "'auto', 'transformer_engine', 'local'",
+        lambda: _parse({"transformer_impl": "te"}),
+        megatron=True,
+    ),
+    # --- what the Megatron backend refuses at set-up (world size, model, Transformer Engine)
+    Case(
+        "MegatronOptions.tensor_model_parallel_size",
+        (
+            *MEGATRON,
+            "policy.megatron_cfg.tensor_model_parallel_size=2",
+            "critic.megatron_cfg.tensor_model_parallel_size=2",
+        ),
+        "policy.megatron_cfg.tensor_model_parallel_size",
+        "does not divide cluster.actor_gpus=1",
+        None,
+    ),
+    Case(
+        "MegatronOptions.pipeline_model_parallel_size",
+        (
+            *MEGATRON,
+            "cluster.actor_gpus=2",
+            "policy.megatron_cfg.pipeline_model_parallel_size=4",
+            "critic.megatron_cfg.pipeline_model_parallel_size=4",
+        ),
+        "policy.megatron_cfg.pipeline_model_parallel_size",
+        "does not divide cluster.actor_gpus=2",
+        None,
+    ),
+    Case(
+        "MegatronOptions.tensor_model_parallel_size",
+        (
+            *MEGATRON,
+            "cluster.actor_gpus=4",
+            "policy.megatron_cfg.tensor_model_parallel_size=4",
+            "critic.megatron_cfg.tensor_model_parallel_size=4",
+        ),
+        "critic.megatron_cfg.tensor_model_parallel_size",
+        "key/value heads",
+        None,
+    ),
+    Case(
+        "MegatronOptions.pipeline_model_parallel_size",
+        (
+            *MEGATRON,
+            "cluster.actor_gpus=3",
+            "policy.megatron_cfg.pipeline_model_parallel_size=3",
+            "critic.megatron_cfg.pipeline_model_parallel_size=3",
+        ),
+        "policy.megatron_cfg.pipeline_model_parallel_size",
+        "layers",
+        None,
+    ),
+    Case(
+        "MegatronOptions.transformer_impl",
+        (*MEGATRON, "critic.megatron_cfg.transformer_impl=transformer_engine"),
+        "critic.megatron_cfg.transformer_impl",
+        "ppo-trainer[te]",
+        None,
+        megatron=True,
+    ),
+    Case(
+        "MegatronOptions.fp8_param",
+        (*MEGATRON, "policy.megatron_cfg.fp8_param=true"),
+        "policy.megatron_cfg.fp8_param",
+        "Transformer Engine",
+        None,
+        megatron=True,
+    ),
+    # With Transformer Engine present too: the local layer spec cannot hold FP8 parameters.
+    Case(
+        "MegatronOptions.fp8_param",
+        (
+            *MEGATRON,
+            "policy.megatron_cfg.fp8_param=true",
+            "policy.megatron_cfg.transformer_impl=local",
+        ),
+        "policy.megatron_cfg.fp8_param",
+        "transformer_impl=local",
+        None,
+        megatron=True,
+    ),
+]
+
+# Fields of the packages' configs that no YAML key reaches (the driver sets them, or the
+# package's default holds), and fields the packages accept whatever the value.
+NOT_FROM_YAML = {
+    "ModelSpec.path": "policy/critic.model_path: any string; its files are checked by validate",
+    "ModelSpec.vocab_size": "the tokenizer's (or the checkpoint's) vocabulary",
+    "ModelSpec.max_position_embeddings": "the package default",
+    "ModelSpec.rope_theta": "the package default",
+    "ModelSpec.rms_norm_eps": "the package default",
+    "ModelSpec.tie_word_embeddings": "the package default",
+    "ModelSpec.seed": "run.seed (any int)",
+    "ModelSpec.dtype": "the package default",
+    "model": "the ModelSpec rows",
+    "backend": "'torch' or 'megatron', from megatron_cfg.enabled",
+    "backend_options": "the megatron_cfg section: the parse_options rows",
+    "device": "'auto'",
+    "betas": "the package default",
+    "adam_eps": "the package default",
+    "lr_scheduler": "the package default (constant)",
+    "decay_steps": "the package default (unused with constant)",
+    "min_lr_ratio": "the package default",
+    "offload_backend": "the package default (auto)",
+    "placement_layout.rollout_external": "not a driver setting",
+    "placement_layout.train_only": "not a driver setting",
+    "placement_layout.rollout_only": "not a driver setting",
+    "MegatronOptions.overlap_param_gather": "accepted whatever the value (validate has its own rule)",
+    "MegatronOptions.fp8_recipe": "accepted whatever the string (validate checks the names)",
+    "MegatronOptions.seed": "not a driver key: the model seed",
+    "MegatronOptions.prefix": "not a key: the role's section",
+}
+
+
+def _agreement_params() -> list[Any]:
+    out = []
+    for case in AGREEMENT:
+        marks = [needs_megatron] if case.megatron else []
+        name = case.field.split(".")[-1]
+        out.append(pytest.param(case, marks=marks, id=f"{case.key}:{name}:{case.overrides[-1]}"))
+    return out
+
+
+@pytest.mark.parametrize("case", _agreement_params())
+def test_validate_refuses_what_the_packages_refuse(case: Case) -> None:
+    if case.refuse is not None:
+        with pytest.raises(ValueError):
+            case.refuse()  # the package itself refuses this value
+    errors = _errors(list(case.overrides))
+    problems = [p for p in errors if p.key == case.key]
+    assert problems, f"validate did not name {case.key}: {[str(p) for p in errors]}"
+    text = str(problems[0])
+    assert case.words in text and "fix:" in text, text
+
+
+def _package_fields() -> set[str]:
+    fields = {f"ModelSpec.{f.name}" for f in dataclasses.fields(ModelSpec)}
+    for cls in (ActorConfig, CriticConfig):
+        fields |= {f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls)}
+    fields |= {f"SamplerConfig.{f.name}" for f in dataclasses.fields(SamplerConfig)}
+    fields |= {f"placement_layout.{n}" for n in inspect.signature(placement_layout).parameters}
+    if _megatron_available():
+        from ppo_trainer.megatron import MegatronOptions
+
+        fields |= {f"MegatronOptions.{f.name}" for f in dataclasses.fields(MegatronOptions)}
+    return fields
+
+
+def test_every_package_field_is_in_the_agreement_table() -> None:
+    # A field a package gains later must land in AGREEMENT (with the value it refuses) or
+    # in NOT_FROM_YAML (with the reason YAML cannot reach it).
+    covered = {c.field for c in AGREEMENT}
+    unplaced = {
+        f
+        for f in _package_fields()
+        if f not in covered and f not in NOT_FROM_YAML and f.split(".", 1)[1] not in NOT_FROM_YAML
+    }
+    assert not unplaced, sorted(unplaced)
+
+
+def test_cli_validate_names_the_keys_the_trainer_refuses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The issue's disagreements, through the real command line.
+    args = [
+        "validate",
+        "ppo.dual_clip=0.5",
+        "ppo.eps_clip_high=-1",
+        *MEGATRON,
+        "policy.megatron_cfg.tensor_model_parallel_size=2",
+        "critic.megatron_cfg.tensor_model_parallel_size=2",
+    ]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    for key in (
+        "ppo.dual_clip",
+        "ppo.eps_clip_high",
+        "policy.megatron_cfg.tensor_model_parallel_size",
+    ):
+        assert f"{key}=" in err, err
+
+
+@needs_megatron
+def test_cli_validate_accepts_transformer_impl(capsys: pytest.CaptureFixture[str]) -> None:
+    # Supported by the backend, once refused as an unknown key by the driver.
+    assert (
+        main(
+            [
+                "validate",
+                *MEGATRON,
+                "policy.megatron_cfg.transformer_impl=local",
+                "critic.megatron_cfg.transformer_impl=local",
+            ]
+        )
+        == 0
+    )
+    assert "config OK" in capsys.readouterr().out
+
+
+@needs_megatron
+@pytest.mark.parametrize("impl", ["auto", "local"])
+def test_megatron_options_train_builds_parse_as_the_backend_parses_them(impl: str) -> None:
+    # What the Megatron backend does first at set-up (MegatronBackend.__init__):
+    # parse_options(config.backend_options, role=...). The default config with Megatron
+    # on once crashed here ("overlap_param_gather is unknown": the optimizer keys were
+    # passed flat); the mapping now nests them and carries transformer_impl.
+    from ppo_trainer.megatron import MegatronOptions, parse_options
+
+    overrides = [*MEGATRON, *(f"{r}.megatron_cfg.transformer_impl={impl}" for r in ROLES)]
+    cfg, report = load_config(None, overrides)
+    assert report.ok, report.errors
+    actor, critic = trainer_configs(cfg, vocab_size=20)
+    for role, trainer_cfg in zip(ROLES, (actor, critic), strict=True):
+        assert trainer_cfg.backend == "megatron"
+        parsed = parse_options(trainer_cfg.backend_options, role=role)
+        assert parsed == MegatronOptions(transformer_impl=impl, prefix=f"{role}.megatron_cfg")
+
+
+# --------------------------------------------------------------------------- driver rules
+
+# Keys no package reads (the driver's own ranges), non-finite floats, files, the reward.
+CASES = [
     # --- NaN / infinity: refused for every float key, in the coercion step -------------
     pytest.param(["policy.lr=nan"], "policy.lr", "finite", id="nan-policy-lr"),
     pytest.param(["policy.lr=inf"], "policy.lr", "finite", id="inf-policy-lr"),
@@ -126,45 +727,14 @@ CASES = [
     ),
     pytest.param(["async_rl.poll_interval_s=0"], "async_rl.poll_interval_s", "> 0", id="poll"),
     pytest.param(["cluster.num_cpus=0"], "cluster.num_cpus", ">= 1", id="num-cpus"),
-    # --- placement (ppo_placement.placement_layout) --------------------------------------
+    pytest.param(["ppo.critic_ppo_epochs=0"], "ppo.critic_ppo_epochs", ">= 1", id="critic-ep"),
     pytest.param(
-        [FULL, "cluster.rollout_gpus=0"], "cluster.rollout_gpus", "rollout", id="no-rollout-gpus"
+        ["ppo.num_generations_per_prompt=0"], "ppo.num_generations_per_prompt", ">= 1", id="gpp"
     ),
-    # --- Megatron layout (pure arithmetic: also without the extra) -----------------------
+    pytest.param(["ppo.adv_estimator.lam=1.5"], "ppo.adv_estimator.lam", "[0, 1]", id="lam"),
+    # --- Megatron rules of the driver (pure: also without the extra) ----------------------
     pytest.param(
-        [*MEGATRON, "policy.megatron_cfg.tensor_model_parallel_size=2"],
-        "policy.megatron_cfg.tensor_model_parallel_size",
-        "cluster.actor_gpus",
-        id="megatron-tp2-on-one-gpu",
-    ),
-    pytest.param(
-        [
-            *MEGATRON,
-            "cluster.actor_gpus=4",
-            "policy.megatron_cfg.tensor_model_parallel_size=4",
-            "critic.megatron_cfg.tensor_model_parallel_size=4",
-        ],
-        "policy.megatron_cfg.tensor_model_parallel_size",
-        "key/value heads",
-        id="megatron-tp-kv-heads",
-    ),
-    pytest.param(
-        [
-            *MEGATRON,
-            "cluster.actor_gpus=3",
-            "policy.megatron_cfg.pipeline_model_parallel_size=3",
-            "critic.megatron_cfg.pipeline_model_parallel_size=3",
-        ],
-        "policy.megatron_cfg.pipeline_model_parallel_size",
-        "layers",
-        id="megatron-pp-layers",
-    ),
-    pytest.param(
-        [
-            *MEGATRON,
-            "cluster.actor_gpus=2",
-            "policy.megatron_cfg.tensor_model_parallel_size=2",
-        ],
+        [*MEGATRON, "cluster.actor_gpus=2", "policy.megatron_cfg.tensor_model_parallel_size=2"],
         "critic.megatron_cfg.tensor_model_parallel_size",
         "same",
         id="critic-layout-differs",
@@ -176,7 +746,7 @@ CASES = [
         id="critic-backend-differs",
     ),
     pytest.param(
-        ["policy.megatron_cfg.optimizer.overlap_param_gather=true"],
+        [*MEGATRON, "policy.megatron_cfg.optimizer.overlap_param_gather=true"],
         "policy.megatron_cfg.optimizer.overlap_param_gather",
         "use_distributed_optimizer",
         id="overlap-param-gather-without-distopt",

@@ -87,6 +87,6 @@ def test_aliasing_that_appears_after_set_up_is_refused_at_sleep() -> None:
     manager = OffloadManager(model, opt)
     first = next(model.parameters())
     first.grad = first.data  # a bug elsewhere made grad alias the parameter
-    with pytest.raises(StorageAliasError, match="would offload memory that a kept part uses"):
+    with pytest.raises(StorageAliasError, match="would move memory that a kept part uses"):
         manager.sleep(parts=KEEP_GRADIENTS)
     assert not manager.is_asleep

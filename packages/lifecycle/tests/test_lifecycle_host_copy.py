@@ -146,7 +146,7 @@ def test_second_sleep_is_a_logged_no_op(caplog: pytest.LogCaptureFixture) -> Non
     with caplog.at_level(logging.INFO, logger="ppo_lifecycle"):
         manager.sleep(parts=KEEP_GRADIENTS)
     assert len(calls) == n
-    assert "already offloaded; skipping" in caplog.text
+    assert "already asleep; skipping" in caplog.text
     # A wider sleep moves only what is still resident: the gradients.
     manager.sleep(parts=ALL_PARTS)
     assert calls[n:] == ["offload gradients"]
@@ -189,20 +189,33 @@ def test_bad_parts_and_backend_are_named() -> None:
         OffloadManager(model, opt, backend="torch_memory_saver")
 
 
-def test_host_buffers_cached_by_default_or_freed_at_wake_up() -> None:
+@pytest.mark.parametrize("spill", [True, False], ids=["spill", "in-process"])
+def test_host_copies_freed_at_wake_up_or_cached(spill: bool) -> None:
     model, opt = _trained()
-    backend = HostCopyBackend(torch.device("cpu"), cache_host_buffers=False)
+    backend = HostCopyBackend(torch.device("cpu"), spill=spill, cache_host_buffers=False)
     manager = OffloadManager(model, opt, backend=backend)
     total = manager.device_bytes()
     manager.sleep()
     assert backend.host_bytes() == total
     manager.wake_up()
     assert backend.host_bytes() == 0
-    cached = HostCopyBackend(torch.device("cpu"))
+    cached = HostCopyBackend(torch.device("cpu"), spill=spill, cache_host_buffers=True)
     manager = OffloadManager(model, opt, backend=cached)
-    manager.sleep()
-    manager.wake_up()
-    assert cached.host_bytes() == total
+    before = snapshot(model, opt)
+    for _ in range(2):  # the cached memory is reused
+        manager.sleep()
+        manager.wake_up()
+        assert cached.host_bytes() == total
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_cpu_default_spills_and_frees_the_copy_at_wake_up() -> None:
+    backend = HostCopyBackend(torch.device("cpu"))
+    assert backend.spill and not backend.cache_host_buffers
+    with pytest.raises(ValueError, match="spill=True: device meta is not the CPU"):
+        HostCopyBackend(torch.device("meta"), spill=True)
+    with pytest.raises(ValueError, match="spill_files: 0"):
+        HostCopyBackend(torch.device("cpu"), spill_files=0)
 
 
 def test_new_optimizer_state_is_found_at_each_sleep() -> None:
@@ -271,4 +284,73 @@ def test_unresizable_storage_is_refused_before_anything_moves() -> None:
     state["exp_avg"] = state["exp_avg"].clone()  # the documented fix
     manager.sleep()
     manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_spill_spreads_pieces_over_files_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppo_lifecycle import _backends
+
+    monkeypatch.setattr(_backends, "_SPILL_CHUNK", 100)  # many pieces per storage
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"), spill_files=3)
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    total = manager.device_bytes()
+    manager.sleep(parts=KEEP_GRADIENTS)
+    spill = backend._spills[Part.OPTIMIZER]
+    assert len(spill.fds) == 3 and len({p.file for p in spill.pieces}) == 3
+    assert max(p.length for p in spill.pieces) <= 100
+    manager.sleep()
+    assert backend.host_bytes() == total
+    manager.wake_up()
+    assert backend.host_bytes() == 0
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_failed_spill_write_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    model, opt = _trained()
+    manager = OffloadManager(model, opt)
+    before = snapshot(model, opt)
+    resident = manager.device_bytes()
+
+    def full(*args: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", full)
+        with pytest.raises(OSError, match="No space left"):
+            manager.sleep()
+    assert not manager.is_asleep and manager.device_bytes() == resident
+    assert_bit_exact(before, snapshot(model, opt))
+    manager.sleep()
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_failed_wake_up_is_retried_from_the_spill(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"))
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    manager.sleep()
+    real = os.preadv
+    calls = [0]
+
+    def flaky(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "preadv", flaky)
+        with pytest.raises(OSError, match="Input/output"):
+            manager.wake_up()
+    assert manager.is_asleep and backend.host_bytes() > 0  # the copy is kept
+    manager.wake_up()
+    assert not manager.is_asleep and backend.host_bytes() == 0
     assert_bit_exact(before, snapshot(model, opt))

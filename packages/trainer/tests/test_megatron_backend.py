@@ -15,8 +15,8 @@ import torch
 
 mg = pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
 
+from ppo_lifecycle import KEEP_GRADIENTS  # noqa: E402
 from ppo_trainer import (  # noqa: E402
-    KEEP_GRADIENTS,
     ActorConfig,
     ActorWorker,
     CriticConfig,
@@ -287,7 +287,7 @@ def _actor(**kw: object) -> ActorWorker:
 def _actor_step(
     actor: ActorWorker, chunks: list[dict[str, torch.Tensor]], full: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``backward`` per chunk; returns the accumulated gradients and their magnitude (the
+    """``train_chunk`` per chunk; returns the accumulated gradients and their magnitude (the
     sum of the chunks' absolute contributions), both under HF names."""
     old = actor.compute_logprobs(full)
     adv = torch.linspace(-1.0, 1.0, full["input_ids"].numel()).view_as(old) * full["loss_mask"]
@@ -297,7 +297,7 @@ def _actor_step(
     lo = 0
     for chunk in chunks:
         n = chunk["input_ids"].shape[0]
-        actor.backward(
+        actor.train_chunk(
             chunk,
             old_logprobs=old[lo : lo + n],
             advantages=adv[lo : lo + n],
@@ -312,7 +312,7 @@ def _actor_step(
     return grads, magnitude
 
 
-def test_chunked_backward_equals_full_batch_and_survives_sleep() -> None:
+def test_chunked_training_equals_full_batch_and_survives_sleep() -> None:
     batch = _batch(2)
     full = _actor()
     full_grads, full_magnitude = _actor_step(full, [batch], batch)
@@ -325,7 +325,7 @@ def test_chunked_backward_equals_full_batch_and_survives_sleep() -> None:
     before = {k: torch.zeros_like(g) for k, g in full_grads.items()}
     magnitude = {k: torch.zeros_like(g) for k, g in full_grads.items()}
     for lo, hi in ((0, 1), (1, 4)):
-        chunked.backward(
+        chunked.train_chunk(
             _rows(batch, lo, hi),
             old_logprobs=old[lo:hi],
             advantages=adv[lo:hi],
@@ -374,7 +374,7 @@ def test_checkpoint_round_trip(tmp_path: object, options: dict[str, object]) -> 
         old = actor.compute_logprobs(batch)
         ref = actor.compute_ref_logprobs(batch)
         denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
-        actor.backward(
+        actor.train_chunk(
             batch,
             old_logprobs=old,
             advantages=batch["loss_mask"],
@@ -392,7 +392,7 @@ def test_checkpoint_round_trip(tmp_path: object, options: dict[str, object]) -> 
         old = worker.compute_logprobs(batch)
         ref = worker.compute_ref_logprobs(batch)
         denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
-        worker.backward(
+        worker.train_chunk(
             batch,
             old_logprobs=old,
             advantages=-batch["loss_mask"],

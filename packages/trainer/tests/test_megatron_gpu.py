@@ -89,8 +89,8 @@ def test_policy_matches_transformers_on_gpu(backend: object) -> None:
     assert not torch.equal(policy.export_hf()["lm_head.weight"], exported["lm_head.weight"])
 
 
-def test_keep_gradients_offload_frees_parameters(backend: object) -> None:
-    from ppo_trainer import KEEP_GRADIENTS
+def test_keep_gradients_sleep_frees_parameters(backend: object) -> None:
+    from ppo_lifecycle import KEEP_GRADIENTS
 
     policy = backend.build_policy()  # type: ignore[attr-defined]
     ids = torch.randint(1, SPEC.vocab_size, (2, 8)).cuda()
@@ -100,9 +100,9 @@ def test_keep_gradients_offload_frees_parameters(backend: object) -> None:
     before = policy.export_hf()
     torch.cuda.synchronize()
     used = torch.cuda.memory_allocated()
-    policy.offload(KEEP_GRADIENTS)
+    policy.sleep(parts=KEEP_GRADIENTS)
     assert torch.cuda.memory_allocated() < used
-    policy.onload()
+    policy.wake_up()
     after = policy.export_hf()
     for name in before:
         assert torch.equal(before[name], after[name]), name

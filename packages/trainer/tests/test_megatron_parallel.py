@@ -97,7 +97,7 @@ def _run(
     actor_grads = _capture_before_reduce(actor._policy)  # test instrumentation
     logprobs = actor.compute_logprobs(batch)
     old = (logprobs - 0.1 * shard["advantages"]) * shard["loss_mask"]
-    actor.backward(batch, old_logprobs=old, advantages=shard["advantages"], loss_denominator=den)
+    actor.train_chunk(batch, old_logprobs=old, advantages=shard["advantages"], loss_denominator=den)
     stats = actor.finish_step()
     critic = CriticWorker(
         CriticConfig(model=SPEC, backend="megatron", lr=1e-3, backend_options=options), **dist
@@ -112,7 +112,18 @@ def _run(
         mini_batch_size=rows.stop - rows.start,
     )
     assert critic_stats["critic/optimizer_steps"] == 1  # one Adam step: adam_step_bound
-    out = {f"actor.{k}": v for k, v in actor.export_weights().items()}
+    # export_weights is a collective: every rank calls it, rank 0 alone gets the weights;
+    # each rank's own full copy (export_hf, the same collective) is test instrumentation.
+    exported = actor.export_weights()
+    weights = actor._policy.export_hf()
+    rank = dist.get("rank", 0)
+    assert (exported is None) == (rank != 0)
+    if exported is not None:
+        assert exported.keys() == weights.keys()
+        assert all(torch.equal(exported[k], v) for k, v in weights.items())
+    mesh = actor.mesh()
+    assert mesh == critic.mesh()
+    out = {f"actor.{k}": v for k, v in weights.items()}
     out |= {f"critic.{k}": v for k, v in critic.export_weights().items()}
     out |= {f"grad.actor.{k}": v for k, v in actor_grads.items()}
     out |= {f"grad.critic.{k}": v for k, v in critic_grads.items()}
@@ -121,6 +132,18 @@ def _run(
         "values": values,
         "grad_norm": torch.tensor(stats["actor/grad_norm"]),
         "critic_grad_norm": torch.tensor(critic_stats["critic/grad_norm"]),
+        "mesh": torch.tensor(
+            [
+                mesh.rank,
+                mesh.world_size,
+                mesh.dp_rank,
+                mesh.dp_size,
+                mesh.tp_rank,
+                mesh.tp_size,
+                mesh.pp_rank,
+                mesh.pp_size,
+            ]
+        ),
     }
     return out
 
@@ -235,6 +258,12 @@ def test_two_ranks_match_one_process(
     step_terms = model_terms(SPEC, tokens=b * t, seq_len=t) + 1
     ranks = [load_file(str(two_rank_results / f"{layout}.{r}.st")) for r in (0, 1)]
     for rank, got in enumerate(ranks):
+        # Mesh(rank, world_size, dp_rank, dp_size, tp_rank, tp_size, pp_rank, pp_size) as
+        # megatron's parallel_state lays out two ranks (tensor ranks adjacent)
+        sizes = {"tp2": (1, 2, 1), "pp2": (1, 1, 2), "dp2-distopt": (2, 1, 1)}[layout]
+        index = [rank if size == 2 else 0 for size in sizes]
+        mesh = [rank, 2, index[0], sizes[0], index[1], sizes[1], index[2], sizes[2]]
+        assert got["mesh"].tolist() == mesh
         rows = slice(2 * rank, 2 * rank + 2) if "dp2" in layout else slice(0, 4)
         torch.testing.assert_close(got["logprobs"], single["logprobs"][rows], atol=lp_bound, rtol=0)
         torch.testing.assert_close(got["values"], single["values"][rows], atol=value_bound, rtol=0)

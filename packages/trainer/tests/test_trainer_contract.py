@@ -15,13 +15,12 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ppo_lifecycle import KEEP_GRADIENTS, Part
 from ppo_trainer import (
-    KEEP_GRADIENTS,
     ActorWorker,
     CriticWorker,
     EmptyStepError,
     ModelSpec,
-    Part,
     aggregate_loss,
     loss_denominator,
     masked_whiten,
@@ -87,7 +86,7 @@ class ActorStep(NamedTuple):
     metrics: dict[str, float]
 
 
-def backward_chunks(
+def train_chunks(
     worker: ActorWorker,
     data: PPOData,
     chunks: list[list[int]],
@@ -95,13 +94,13 @@ def backward_chunks(
     den: float,
     ref: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``backward`` per chunk; returns the accumulated gradients and their magnitude (the
+    """``train_chunk`` per chunk; returns the accumulated gradients and their magnitude (the
     elementwise sum of the chunks' absolute contributions), both under HF names."""
     grads: dict[str, torch.Tensor] = {}
     magnitude: dict[str, torch.Tensor] = {}
     for rows in chunks:
         part = data.rows(rows)
-        worker.backward(
+        worker.train_chunk(
             part.batch,
             old_logprobs=part.old_logprobs,
             advantages=part.advantages,
@@ -119,10 +118,10 @@ def backward_chunks(
 def run_actor(
     worker: ActorWorker, data: PPOData, chunks: list[list[int]], *, loss_agg: str
 ) -> ActorStep:
-    """Backward per chunk, then one finish_step."""
+    """``train_chunk`` per chunk, then one finish_step."""
     den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg=loss_agg)
     ref = worker.compute_ref_logprobs(data.batch) if worker.config.use_reference else None
-    grads, magnitude = backward_chunks(worker, data, chunks, den=den, ref=ref)
+    grads, magnitude = train_chunks(worker, data, chunks, den=den, ref=ref)
     return ActorStep(grads, magnitude, worker.finish_step())
 
 
@@ -235,6 +234,66 @@ def test_streaming_equivalence(backend: str, sizes: list[int], loss_agg: str) ->
     assert m_full["actor/valid_tokens"] == data.batch["loss_mask"].sum().item()
 
 
+def test_streaming_chunk_is_its_own_old_policy(backend: str) -> None:
+    """``train_chunk`` without ``old_logprobs`` / ``ref_logprobs`` (streaming, one policy
+    epoch, KL loss on): the old log-probs are this forward's, detached (ratio exactly 1),
+    no separate log-prob forward runs, the reference forward runs inside the call. The
+    same micro-batches through the same kernels as passing ``compute_logprobs`` /
+    ``compute_ref_logprobs`` of the same weights: bit-identical gradients and metrics."""
+    kw: dict[str, Any] = {"kl_loss_coef": 0.05, "entropy_coef": 0.01}
+    data = make_data(6)
+    mask = data.batch["loss_mask"]
+    den = loss_denominator(loss_mask=mask, loss_agg="token")
+    streamed = ActorWorker(actor_config(backend, **kw))
+    given = ActorWorker(actor_config(backend, **kw))
+    noise = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))
+    engine = (given.compute_logprobs(data.batch) + 0.1 * noise) * mask
+    for rows in split([2, 4]):
+        part = data.rows(rows)
+        m_stream = streamed.train_chunk(
+            part.batch,
+            advantages=part.advantages,
+            loss_denominator=den,
+            engine_logprobs=engine[rows],
+        )
+        old = given.compute_logprobs(part.batch)  # no optimizer step yet: same weights
+        m_given = given.train_chunk(
+            part.batch,
+            advantages=part.advantages,
+            loss_denominator=den,
+            old_logprobs=old,
+            ref_logprobs=given.compute_ref_logprobs(part.batch),
+            engine_logprobs=engine[rows],
+        )
+        assert m_stream == m_given
+        assert m_stream["actor/clipfrac"] == m_stream["actor/approx_kl"] == 0.0  # ratio 1
+        assert m_stream["loss/pg"] != 0.0 and m_stream["loss/kl"] == 0.0  # ref == policy
+        # k3 of d = old - engine, summed over the valid tokens, against the formula in
+        # float64: rounding of a few operations per token and of the sum, relative to the
+        # terms before cancellation (exp(d), 1, |d|)
+        valid = part.batch["loss_mask"].bool()
+        d = (old.double() - engine[rows].double())[valid]
+        expected = float((torch.exp(d) - 1 - d).sum())
+        bound = rounding_bound(
+            terms=d.numel() + 4,
+            magnitude=float((torch.exp(d) + 1 + d.abs()).sum()),
+            dtype=torch.float64,
+        )
+        assert abs(m_stream["rollout/kl_engine_trainer_sum"] - expected) <= bound
+        assert expected > 0
+    assert_states_close(streamed.grads(), given.grads(), rtol=0, atol=0)
+    assert streamed.counters() == {
+        "policy_forward": 0,  # no separate log-prob forward
+        "policy_forward_backward": 6,
+        "reference_forward": 6,  # inside train_chunk
+    }
+    assert given.counters() == {
+        "policy_forward": 12,  # the engine stand-in + the old log-probs
+        "policy_forward_backward": 6,
+        "reference_forward": 6,
+    }
+
+
 def test_token_denominator_known_only_at_finish(backend: str) -> None:
     """Streaming with loss_agg=token: chunks use a provisional denominator, finish_step
     gets the true one and rescales; same gradients and parameters as the full batch."""
@@ -246,7 +305,7 @@ def test_token_denominator_known_only_at_finish(backend: str) -> None:
     late = ActorWorker(actor_config(backend))
     for rows in split([4, 2]):
         part = data.rows(rows)
-        late.backward(
+        late.train_chunk(
             part.batch,
             old_logprobs=part.old_logprobs,
             advantages=part.advantages,
@@ -294,7 +353,7 @@ def test_sample_denominator_counts_all_or_valid_samples(backend: str) -> None:
         worker = ActorWorker(actor_config(backend, loss_agg="sample"))
         for chunk in split([3, 3]):
             part = data.rows(chunk)
-            worker.backward(
+            worker.train_chunk(
                 part.batch,
                 old_logprobs=part.old_logprobs,
                 advantages=part.advantages,
@@ -302,7 +361,7 @@ def test_sample_denominator_counts_all_or_valid_samples(backend: str) -> None:
             )
         worker.finish_step()
     bad = ActorWorker(actor_config(backend, loss_agg="sample"))
-    bad.backward(
+    bad.train_chunk(
         data.batch,
         old_logprobs=data.old_logprobs,
         advantages=data.advantages,
@@ -349,7 +408,7 @@ def test_masked_chunk_adds_no_gradient(backend: str) -> None:
     actor = ActorWorker(actor_config(backend))
     den = loss_denominator(loss_mask=data.batch["loss_mask"][:3], loss_agg="token")
     first = data.rows([0, 1, 2])
-    actor.backward(
+    actor.train_chunk(
         first.batch,
         old_logprobs=first.old_logprobs,
         advantages=first.advantages,
@@ -358,7 +417,7 @@ def test_masked_chunk_adds_no_gradient(backend: str) -> None:
     before = actor.grads()
     masked = data.rows([3, 4, 5])
     masked.batch["loss_mask"] = torch.zeros_like(masked.batch["loss_mask"])
-    out = actor.backward(
+    out = actor.train_chunk(
         masked.batch,
         old_logprobs=masked.old_logprobs,
         advantages=masked.advantages,
@@ -375,7 +434,7 @@ def test_all_masked_step_raises_before_any_update(backend: str) -> None:
     weights = actor.export_weights()
     masked = data.rows([0, 1])
     masked.batch["loss_mask"] = torch.zeros_like(masked.batch["loss_mask"])
-    actor.backward(
+    actor.train_chunk(
         masked.batch,
         old_logprobs=masked.old_logprobs,
         advantages=masked.advantages,
@@ -397,14 +456,14 @@ def test_wrong_denominator_is_rejected_before_update(backend: str) -> None:
     weights = actor.export_weights()
     den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
     part = data.rows([0, 1])
-    actor.backward(
+    actor.train_chunk(
         part.batch,
         old_logprobs=part.old_logprobs,
         advantages=part.advantages,
         loss_denominator=den,
     )
     with pytest.raises(ValueError, match="differs"):
-        actor.backward(
+        actor.train_chunk(
             part.batch,
             old_logprobs=part.old_logprobs,
             advantages=part.advantages,
@@ -414,7 +473,7 @@ def test_wrong_denominator_is_rejected_before_update(backend: str) -> None:
         actor.finish_step()  # only 2 of 6 samples were sent
     assert_states_close(actor.export_weights(), weights, rtol=0, atol=0)
     with pytest.raises(ValueError, match="loss_denominator=0"):
-        actor.backward(
+        actor.train_chunk(
             part.batch,
             old_logprobs=part.old_logprobs,
             advantages=part.advantages,
@@ -431,7 +490,7 @@ def test_non_finite_update_is_refused_before_the_optimizer_step(backend: str) ->
     actor = ActorWorker(actor_config(backend))
     weights = actor.export_weights()
     den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
-    actor.backward(
+    actor.train_chunk(
         data.batch, old_logprobs=data.old_logprobs, advantages=huge, loss_denominator=den
     )
     with pytest.raises(FloatingPointError, match=r"actor/grad_norm = inf is not finite"):
@@ -463,7 +522,7 @@ def test_gradients_survive_keep_gradients_sleep(backend: str) -> None:
     den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
     critic.sleep()
     first, second = data.rows(chunks[0]), data.rows(chunks[1])
-    actor.backward(
+    actor.train_chunk(
         first.batch,
         old_logprobs=first.old_logprobs,
         advantages=first.advantages,
@@ -480,7 +539,7 @@ def test_gradients_survive_keep_gradients_sleep(backend: str) -> None:
     actor.wake_up()
     assert not actor.is_asleep
     assert_states_close(actor.grads(), held, rtol=0, atol=0)
-    actor.backward(
+    actor.train_chunk(
         second.batch,
         old_logprobs=second.old_logprobs,
         advantages=second.advantages,
@@ -667,13 +726,16 @@ def _dp_rank_main(rank: int, backend: str, init: str, data_file: str, out_dir: s
     data = PPOData.from_tensors(load_file(data_file)).rows(SHARDS[rank])
     den = float(load_file(data_file)["batch.loss_mask"].sum())
     actor = ActorWorker(actor_config(backend), rank=rank, world_size=2, dist_init_method=init)
-    grads, magnitude = backward_chunks(actor, data, CHUNKS[rank], den=den)
+    grads, magnitude = train_chunks(actor, data, CHUNKS[rank], den=den)
     actor.finish_step()
     critic = CriticWorker(critic_config(backend), rank=rank, world_size=2, dist_init_method=init)
     critic.train(
         data.batch, returns=data.returns, old_values=data.old_values, epochs=2, mini_batch_size=2
     )
-    save_file(actor.export_weights(), f"{out_dir}/actor{rank}.safetensors")
+    exported = actor.export_weights()  # a collective; the weights come back on rank 0 only
+    assert (exported is None) == (rank != 0)
+    weights = exported if exported is not None else actor._policy.export_hf()  # instrumentation
+    save_file(weights, f"{out_dir}/actor{rank}.safetensors")
     save_file(critic.export_weights(), f"{out_dir}/critic{rank}.safetensors")
     save_file(grads, f"{out_dir}/grads{rank}.safetensors")  # local, before the all-reduce
     save_file(magnitude, f"{out_dir}/magnitude{rank}.safetensors")

@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 import torch
-from ppo_trainer import KEEP_GRADIENTS, ActorWorker, CriticWorker, loss_denominator
+from ppo_lifecycle import KEEP_GRADIENTS
+from ppo_trainer import ActorWorker, CriticWorker, loss_denominator
 from trainer_testlib import (
     TINY,
     actor_config,
@@ -57,7 +58,7 @@ def test_cuda_streaming_with_keep_gradients_sleep(offload_backend: str) -> None:
     den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
 
     full = ActorWorker(actor_config("torch", **kw))
-    full.backward(
+    full.train_chunk(
         data.batch,
         old_logprobs=data.old_logprobs,
         advantages=data.advantages,
@@ -72,7 +73,7 @@ def test_cuda_streaming_with_keep_gradients_sleep(offload_backend: str) -> None:
     for rows in ([0, 1], [2, 3, 4, 5]):
         part = data.rows(rows)
         actor.wake_up()
-        actor.backward(
+        actor.train_chunk(
             part.batch,
             old_logprobs=part.old_logprobs,
             advantages=part.advantages,

@@ -4,6 +4,13 @@ The key names follow ``reference/colocated-ppo-streaming.md`` (``ppo.*``, ``asyn
 ``policy.megatron_cfg.*``). Loading never raises on the first problem: every unknown
 key, every wrong type and every broken rule is collected, so ``ppo-driver validate``
 can report them all at once. Each problem names the key, the value and the fix.
+
+The packages' typed configs are built HERE, once, from a :class:`DriverConfig`:
+:func:`trainer_configs` (``ppo_trainer.ActorConfig`` / ``CriticConfig``, with the Megatron
+``backend_options``), :func:`sampler_config` (``ppo_sampler.SamplerConfig``) and
+:func:`cluster_layout` (``ppo_placement.Layout``). :func:`validate` builds the very same
+objects and reports each of their field errors under the YAML key it came from; the
+driver itself only checks the keys no package reads and the rules that span packages.
 """
 
 from __future__ import annotations
@@ -16,15 +23,16 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
-from ppo_placement import SharedPlacement, check_streaming_layout, placement_layout
-from ppo_sampler import group_alignment, single_chunk_only
+from ppo_placement import Layout, SharedPlacement, check_streaming_layout, placement_layout
+from ppo_sampler import SamplerConfig, group_alignment, single_chunk_only
+from ppo_trainer import ActorConfig, CriticConfig, ModelSpec, get_backend
 
 __all__ = [
     "AdvEstimatorConfig",
@@ -37,18 +45,22 @@ __all__ = [
     "MegatronOptimizerCfg",
     "ModelConfig",
     "PPOConfig",
+    "Role",
     "RolloutConfig",
     "RunConfig",
     "SamplerCfg",
     "ValidationReport",
     "apply_overrides",
+    "cluster_layout",
     "default_config_path",
     "load_config",
+    "sampler_config",
+    "trainer_configs",
     "validate",
 ]
 
-SAMPLER_NAMES = ("in_order", "ready_first")
-STREAMING_SAMPLERS = ("in_order", "ready_first")
+Role = Literal["policy", "actor", "critic"]
+"""A trained model: ``policy`` (its YAML section; ``actor`` is the same model) or ``critic``."""
 
 
 # --------------------------------------------------------------------------- schema
@@ -126,6 +138,8 @@ class MegatronCfg:
     fp8_recipe: str | None = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # auto: Transformer Engine's layer spec when TE imports and CUDA is present, else local
+    transformer_impl: str = "auto"
     optimizer: MegatronOptimizerCfg = field(default_factory=MegatronOptimizerCfg)
 
 
@@ -202,15 +216,58 @@ class DriverConfig:
         """True when the readiness minimum is below the batch (streaming rules apply)."""
         return self.min_groups < self.batch_groups
 
+    def model(self, role: Role) -> ModelConfig:
+        """The section of ``role``: ``policy`` (also for ``actor``) or ``critic``."""
+        return self.critic if role == "critic" else self.policy
+
+    def model_parallel_sizes(self, role: Role) -> tuple[int, int]:
+        """``(tensor, pipeline)`` parallel sizes of ``role``'s model: its
+        ``megatron_cfg`` sizes with the Megatron backend, ``(1, 1)`` with plain torch."""
+        mc = self.model(role).megatron_cfg
+        if not mc.enabled:
+            return 1, 1
+        return mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
+
+    def dp_size(self, role: Role) -> int:
+        """Data-parallel size of ``role``'s model: ``cluster.actor_gpus / (tp * pp)``.
+
+        Both models run one rank per training GPU (the critic reuses the actor's
+        placement bundles); ranks of one tensor x pipeline group see the same rows, so
+        rows (and chunks) split over this many ranks only. ``tp = pp = 1`` with plain
+        torch, where this is ``cluster.actor_gpus``.
+
+        Raises:
+            ValueError: naming the key, when ``tp * pp`` does not divide
+                ``cluster.actor_gpus`` or a size is below 1 (``validate`` reports it).
+        """
+        tp, pp = self.model_parallel_sizes(role)
+        gpus = self.cluster.actor_gpus
+        section = "critic" if role == "critic" else "policy"
+        if gpus < 1:
+            raise ValueError(f"cluster.actor_gpus={gpus} is invalid: use at least 1")
+        if tp < 1 or pp < 1:
+            raise ValueError(
+                f"{section}.megatron_cfg tensor x pipeline parallel sizes {tp} x {pp} are "
+                "invalid: use positive integers"
+            )
+        if gpus % (tp * pp):
+            raise ValueError(
+                f"{section}.megatron_cfg.tensor_model_parallel_size={tp} x "
+                f"pipeline_model_parallel_size={pp} does not divide cluster.actor_gpus={gpus}"
+            )
+        return gpus // (tp * pp)
+
     @property
     def group_alignment(self) -> int:
-        """Batch and minimum must be multiples of this (both models' data-parallel and
-        micro-batch sizes; ``ppo_sampler.group_alignment``). ``ValueError`` if impossible."""
+        """Batch and minimum must be multiples of this: ``ppo_sampler.group_alignment``
+        over both models' data-parallel sizes (:meth:`dp_size`) and micro-batch sizes,
+        so every chunk splits evenly over each model's data-parallel ranks.
+        ``ValueError`` if impossible (a bad mesh, a non-positive size)."""
         return int(
             group_alignment(
                 generations_per_prompt=self.ppo.num_generations_per_prompt,
-                actor_dp=self.cluster.actor_gpus,
-                critic_dp=self.cluster.actor_gpus,
+                actor_dp=self.dp_size("policy"),
+                critic_dp=self.dp_size("critic"),
                 actor_micro_batch=self.policy.train_micro_batch_size,
                 critic_micro_batch=self.critic.train_micro_batch_size,
             )
@@ -512,17 +569,204 @@ def load_config(
     return cfg, report
 
 
-# --------------------------------------------------------------------------- rules
+# --------------------------------------------------------------------------- the packages' configs
 
-ROLES = ("policy", "critic")
+ROLES: tuple[Role, Role] = ("policy", "critic")
 MEGATRON_EXTRA = "ppo-trainer[megatron]"
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 """megatron-core's FP8 recipes the trainer can build (``custom`` needs a quantizer
 factory it does not pass); ``fp8_recipe: null`` means ``delayed``."""
 
-_PPO_KEYS = frozenset(f.name for f in dataclasses.fields(PPOConfig))
-_TRAINER_RENAMES = {"micro_batch_size": "train_micro_batch_size"}
-_TRAINER_KEY = re.compile(r"([A-Za-z_][\w.]*)(?:=(.*?) is |\s)")
+# Fields of ppo_trainer's configs and the driver keys they come from.
+_TRAIN_FIELDS = {
+    "lr": "lr",
+    "weight_decay": "weight_decay",
+    "max_grad_norm": "max_grad_norm",
+    "warmup_steps": "warmup_steps",
+    "micro_batch_size": "train_micro_batch_size",
+}
+_ACTOR_PPO_FIELDS = (
+    "eps_clip",
+    "eps_clip_high",
+    "dual_clip",
+    "kl_loss_coef",
+    "kl_estimator",
+    "entropy_coef",
+)
+_CRITIC_PPO_FIELDS = ("value_clip",)
+_MODEL_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def _section(role: Role) -> str:
+    return "critic" if role == "critic" else "policy"
+
+
+def _seed(cfg: DriverConfig, role: Role) -> int:
+    """The model seed of ``role`` (the critic's differs from the policy's)."""
+    return cfg.run.seed + (1 if role == "critic" else 0)
+
+
+def _model_spec_kwargs(m: ModelConfig, *, vocab_size: int, seed: int) -> dict[str, Any]:
+    """``ppo_trainer.ModelSpec`` keyword arguments of one model section."""
+    return {
+        "path": m.model_path,
+        "vocab_size": vocab_size,
+        **{name: getattr(m, name) for name in _MODEL_FIELDS},
+        "seed": seed,
+    }
+
+
+def _backend_options(mc: MegatronCfg) -> dict[str, Any]:
+    """The trainer's ``backend_options``: the ``megatron_cfg`` mapping that
+    ``ppo_trainer.megatron.parse_options`` reads (nested ``optimizer``), ``{}`` with torch."""
+    if not mc.enabled:
+        return {}
+    return {
+        "tensor_model_parallel_size": mc.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
+        "use_megatron_fsdp": mc.use_megatron_fsdp,
+        "fp8_param": mc.fp8_param,
+        "fp8_recipe": mc.fp8_recipe,
+        "transformer_impl": mc.transformer_impl,
+        "optimizer": dataclasses.asdict(mc.optimizer),
+    }
+
+
+def _train_kwargs(cfg: DriverConfig, role: Role, *, samples_per_rank: int) -> dict[str, Any]:
+    """The fields ``ActorConfig`` and ``CriticConfig`` share, for ``role`` (no model)."""
+    m = cfg.model(role)
+    micro = m.train_micro_batch_size
+    return {
+        "backend": "megatron" if m.megatron_cfg.enabled else "torch",
+        "backend_options": _backend_options(m.megatron_cfg),
+        "device": "auto",
+        "lr": m.lr,
+        "weight_decay": m.weight_decay,
+        "max_grad_norm": m.max_grad_norm,
+        "warmup_steps": m.warmup_steps,
+        # null: the whole step of one data-parallel rank in one micro-batch. An explicit
+        # value goes through as it is (0 must reach the trainer's check, not become null).
+        "micro_batch_size": samples_per_rank if micro is None else micro,
+        "loss_agg": cfg.ppo.loss_agg,
+    }
+
+
+def _actor_kwargs(cfg: DriverConfig, *, samples_per_rank: int) -> dict[str, Any]:
+    ppo = cfg.ppo
+    return {
+        **_train_kwargs(cfg, "policy", samples_per_rank=samples_per_rank),
+        **{name: getattr(ppo, name) for name in _ACTOR_PPO_FIELDS},
+    }
+
+
+def _critic_kwargs(cfg: DriverConfig, *, samples_per_rank: int) -> dict[str, Any]:
+    return {
+        **_train_kwargs(cfg, "critic", samples_per_rank=samples_per_rank),
+        **{name: getattr(cfg.ppo, name) for name in _CRITIC_PPO_FIELDS},
+    }
+
+
+def trainer_configs(cfg: DriverConfig, *, vocab_size: int) -> tuple[ActorConfig, CriticConfig]:
+    """The ``ppo_trainer.ActorConfig`` and ``CriticConfig`` of this run.
+
+    ``vocab_size`` is the tokenizer's (the tiny model's vocabulary; a ``model_path``
+    checkpoint brings its own). The Megatron backend gets ``backend_options`` =
+    the ``megatron_cfg`` section (:func:`ppo_trainer.megatron.parse_options` reads it);
+    a null ``train_micro_batch_size`` becomes one data-parallel rank's share of the step
+    (``samples_per_step / dp_size``). :func:`validate` builds these same objects and
+    reports their errors by YAML key; here they raise ``ValueError``.
+    """
+    models = {
+        role: ModelSpec(
+            **_model_spec_kwargs(cfg.model(role), vocab_size=vocab_size, seed=_seed(cfg, role))
+        )
+        for role in ROLES
+    }
+    actor = ActorConfig(
+        model=models["policy"],
+        **_actor_kwargs(cfg, samples_per_rank=_samples_per_rank(cfg, "policy")),
+    )
+    critic = CriticConfig(
+        model=models["critic"],
+        **_critic_kwargs(cfg, samples_per_rank=_samples_per_rank(cfg, "critic")),
+    )
+    return actor, critic
+
+
+def _samples_per_rank(cfg: DriverConfig, role: Role) -> int:
+    """Samples of one step on one data-parallel rank of ``role``."""
+    return max(1, cfg.samples_per_step // cfg.dp_size(role))
+
+
+def _sampler_kwargs(cfg: DriverConfig) -> dict[str, Any]:
+    s = cfg.async_rl.sampler
+    return {
+        "num_prompts_per_step": cfg.batch_groups,
+        "min_groups_for_streaming_train": cfg.min_groups,
+        "name": s.name,
+        "max_lookahead_versions": s.max_lookahead_versions,
+        "max_staleness_versions": s.max_staleness_versions,
+        "evict_stale": s.evict_stale,
+    }
+
+
+def sampler_config(cfg: DriverConfig) -> SamplerConfig:
+    """The ``ppo_sampler.SamplerConfig`` of this run (``ValueError`` naming the key)."""
+    return SamplerConfig(**_sampler_kwargs(cfg))
+
+
+def _layout_kwargs(cfg: DriverConfig) -> dict[str, Any]:
+    c = cfg.cluster
+    return {"actor_gpus": c.actor_gpus, "rollout_gpus": c.rollout_gpus, "colocate": c.colocate}
+
+
+def cluster_layout(cfg: DriverConfig) -> Layout:
+    """The ``ppo_placement.Layout`` ``train`` reserves (critic on the actor's bundles),
+    checked by ``check_streaming_layout`` when streaming. ``ValueError`` if refused."""
+    layout = placement_layout(**_layout_kwargs(cfg))
+    check_streaming_layout(layout, streaming=cfg.streaming)
+    return layout
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def validate(cfg: DriverConfig) -> ValidationReport:
+    """Every value the trainer, the sampler, the placement or the engines would refuse.
+
+    Builds the packages' own typed configs from ``cfg`` (``ppo_sampler.SamplerConfig``,
+    ``ppo_trainer.ModelSpec`` / ``ActorConfig`` / ``CriticConfig``, the Megatron options
+    of ``ppo_trainer.megatron.parse_options`` when that backend is on, and
+    ``ppo_placement.placement_layout`` / ``SharedPlacement``) and reports each field they
+    refuse under the YAML key it came from. The driver adds the keys no package reads
+    and the rules across packages: the streaming rules of the document, the mesh
+    (``tp * pp`` divides ``cluster.actor_gpus``, the model's heads and layers, one layout
+    for both models), group alignment over each model's data-parallel size, the
+    optional extras, the model / data files and the reward function (imported here).
+    Runs before Ray starts and returns all problems at once; never raises.
+    """
+    r = ValidationReport()
+    r.errors.extend(_non_finite_problem(key, value) for key, value in _non_finite(cfg))
+    _check_driver_ranges(r, cfg)
+    _check_sampler(r, cfg)
+    _check_rules(r, cfg)
+    _check_trainer(r, cfg)
+    mesh_ok = _check_megatron(r, cfg)
+    _check_layout(r, cfg)
+    if mesh_ok:
+        _check_alignment(r, cfg)
+    _check_files(r, cfg)
+    _check_reward(r, cfg)
+    return r
+
+
+# --------------------------------------------------------------------------- the driver's own keys
 
 
 def _need(
@@ -560,38 +804,11 @@ def _non_finite(node: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
             yield f"{prefix}{f.name}", value
 
 
-def validate(cfg: DriverConfig) -> ValidationReport:
-    """Every value the trainer, the sampler, the placement or the engines would refuse.
-
-    Covers the rules of the streaming document and the shared actor/critic report, the
-    trainer's config and Megatron checks, the placement layout, the model / data files
-    and the reward function (imported here). Runs before Ray starts and returns all
-    problems at once (errors and warnings); never raises.
-    """
-    r = ValidationReport()
-    r.errors.extend(_non_finite_problem(key, value) for key, value in _non_finite(cfg))
-    counts_ok = _check_ranges(r, cfg)
-    _check_rules(r, cfg)
-    _check_megatron(r, cfg)
-    _check_batch(r, cfg, counts_ok=counts_ok)
-    _check_layout(r, cfg, streaming=counts_ok and cfg.streaming)
-    _check_files(r, cfg)
-    _check_reward(r, cfg)
-    _check_with_trainer(r, cfg)
-    return r
-
-
-def _check_ranges(r: ValidationReport, cfg: DriverConfig) -> bool:
-    """Ranges of single values; returns whether the batch counts are usable."""
+def _check_driver_ranges(r: ValidationReport, cfg: DriverConfig) -> None:
+    """Ranges of the keys only the driver reads (the packages check their own)."""
     ppo, arl, ro = cfg.ppo, cfg.async_rl, cfg.rollout
-    counts_ok = _check_positive(r, "ppo.num_prompts_per_step", ppo.num_prompts_per_step)
-    counts_ok &= _check_positive(
-        r, "ppo.num_generations_per_prompt", ppo.num_generations_per_prompt
-    )
-    counts_ok &= _check_positive(
-        r, "async_rl.min_groups_for_streaming_train", arl.min_groups_for_streaming_train
-    )
     for key, count in (
+        ("ppo.num_generations_per_prompt", ppo.num_generations_per_prompt),
         ("ppo.ppo_epochs", ppo.ppo_epochs),
         ("ppo.critic_ppo_epochs", ppo.critic_ppo_epochs),
         ("ppo.critic_mini_batch_size", ppo.critic_mini_batch_size),
@@ -600,51 +817,24 @@ def _check_ranges(r: ValidationReport, cfg: DriverConfig) -> bool:
         ("rollout.max_new_tokens", ro.max_new_tokens),
         ("rollout.num_engines", ro.num_engines),
         ("rollout.max_consecutive_group_failures", ro.max_consecutive_group_failures),
-        ("cluster.actor_gpus", cfg.cluster.actor_gpus),
     ):
         _check_positive(r, key, count)
     for key, amount in (
         ("ppo.critic_warmup_steps", ppo.critic_warmup_steps),
         ("run.checkpoint_every", cfg.run.checkpoint_every),
-        ("async_rl.sampler.max_lookahead_versions", arl.sampler.max_lookahead_versions),
-        ("async_rl.sampler.max_staleness_versions", arl.sampler.max_staleness_versions),
         ("async_rl.max_prompts_in_flight", arl.max_prompts_in_flight),
         ("rollout.decode_delay_s", ro.decode_delay_s),
         ("rollout.reward_timeout_s", ro.reward_timeout_s),
-        ("ppo.kl_loss_coef", ppo.kl_loss_coef),
-        ("ppo.entropy_coef", ppo.entropy_coef),
-        ("cluster.rollout_gpus", cfg.cluster.rollout_gpus),
     ):
         _check_positive(r, key, amount, allow_zero=True)
     _check_positive(r, "async_rl.poll_interval_s", arl.poll_interval_s)
     if cfg.cluster.num_cpus is not None:
         _check_positive(r, "cluster.num_cpus", cfg.cluster.num_cpus)
-
-    # PPO loss constants: what ppo_trainer.ActorConfig / CriticConfig accept
-    _need(r, "ppo.eps_clip", ppo.eps_clip, 0.0 < ppo.eps_clip < 1.0, "in (0, 1)", 0.2)
-    if ppo.eps_clip_high is not None:
-        _need(r, "ppo.eps_clip_high", ppo.eps_clip_high, ppo.eps_clip_high > 0, "> 0 or null")
-    if ppo.dual_clip is not None:
-        _need(r, "ppo.dual_clip", ppo.dual_clip, ppo.dual_clip > 1.0, "> 1 or null", 3.0)
-    if ppo.value_clip is not None:
-        _need(r, "ppo.value_clip", ppo.value_clip, ppo.value_clip > 0, "> 0 or null", 0.2)
     for key, val in (
         ("ppo.adv_estimator.gamma", ppo.adv_estimator.gamma),
         ("ppo.adv_estimator.lam", ppo.adv_estimator.lam),
     ):
         _need(r, key, val, 0.0 <= val <= 1.0, "in [0, 1]")
-    if ppo.loss_agg not in ("token", "sample"):
-        r.errors.append(
-            ConfigProblem(
-                "ppo.loss_agg", ppo.loss_agg, "unknown loss aggregation", "use token or sample"
-            )
-        )
-    if ppo.kl_estimator not in ("k1", "k2", "k3"):
-        r.errors.append(
-            ConfigProblem(
-                "ppo.kl_estimator", ppo.kl_estimator, "unknown KL estimator", "use k1, k2 or k3"
-            )
-        )
 
     # generation: what the engines' SamplingParams accept (temperature 0 is greedy)
     _need(r, "rollout.temperature", ro.temperature, ro.temperature >= 0, ">= 0 (0: greedy)")
@@ -654,55 +844,22 @@ def _check_ranges(r: ValidationReport, cfg: DriverConfig) -> bool:
         ok = isinstance(count, int) and not isinstance(count, bool) and 1 <= count <= 99
         _need(r, "rollout.extra.max_count", count, ok, "an integer in [1, 99]", 8)
 
-    for role in ROLES:
-        _check_model_ranges(r, role, getattr(cfg, role))
-    return counts_ok
+
+def _streaming_why(cfg: DriverConfig) -> str:
+    return (
+        f"streaming is on (async_rl.min_groups_for_streaming_train={cfg.min_groups} < "
+        f"ppo.num_prompts_per_step={cfg.batch_groups})"
+    )
 
 
-def _check_model_ranges(r: ValidationReport, role: str, m: ModelConfig) -> None:
-    """The optimizer settings (ppo_trainer's _TrainConfig) and the model shape (ModelSpec)."""
-    _check_positive(r, f"{role}.lr", m.lr)
-    _check_positive(r, f"{role}.weight_decay", m.weight_decay, allow_zero=True)
-    _check_positive(r, f"{role}.max_grad_norm", m.max_grad_norm)
-    _check_positive(r, f"{role}.warmup_steps", m.warmup_steps, allow_zero=True)
-    if m.train_micro_batch_size is not None:
-        _check_positive(r, f"{role}.train_micro_batch_size", m.train_micro_batch_size)
-    sizes_ok = True
-    for name in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-    ):
-        sizes_ok &= _check_positive(r, f"{role}.{name}", getattr(m, name))
-    if not sizes_ok:
-        return
-    heads, kv = m.num_attention_heads, m.num_key_value_heads
-    if m.hidden_size % heads:
-        r.errors.append(
-            ConfigProblem(
-                f"{role}.hidden_size",
-                m.hidden_size,
-                f"must be divisible by {role}.num_attention_heads={heads}",
-                f"set {role}.hidden_size to a multiple of {heads}, e.g. "
-                f"{max(heads, m.hidden_size - m.hidden_size % heads)}",
-            )
-        )
-    if heads % kv:
-        r.errors.append(
-            ConfigProblem(
-                f"{role}.num_key_value_heads",
-                kv,
-                f"must divide {role}.num_attention_heads={heads} (grouped-query attention)",
-                f"set {role}.num_key_value_heads to a divisor of {heads}, e.g. "
-                f"{math.gcd(heads, kv)}",
-            )
-        )
+def _streams(cfg: DriverConfig) -> bool:
+    """Streaming, judged only when the batch and minimum are usable."""
+    return 1 <= cfg.min_groups < cfg.batch_groups
 
 
 def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
-    """Reward-level KL (shared actor/critic report) and the sampler's name."""
+    """The document's rules: no reward-level KL (shared actor/critic), one policy epoch
+    while streaming."""
     if cfg.ppo.kl_coef != 0:
         r.errors.append(
             ConfigProblem(
@@ -713,13 +870,248 @@ def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
                 "set ppo.kl_coef=0 and use the KL loss instead (ppo.kl_loss_coef > 0)",
             )
         )
-    if cfg.async_rl.sampler.name not in SAMPLER_NAMES:
+    epochs = cfg.ppo.ppo_epochs
+    if _streams(cfg) and epochs > 1:
         r.errors.append(
             ConfigProblem(
-                "async_rl.sampler.name",
-                cfg.async_rl.sampler.name,
-                f"unknown sampler (known: {', '.join(SAMPLER_NAMES)})",
-                "set async_rl.sampler.name to in_order or ready_first",
+                "ppo.ppo_epochs",
+                epochs,
+                f"{_streaming_why(cfg)} and streaming allows exactly one policy epoch",
+                "set ppo.ppo_epochs=1, or async_rl.min_groups_for_streaming_train="
+                f"{cfg.batch_groups} for full-batch mode",
+            )
+        )
+
+
+# --------------------------------------------------------------------------- the packages' checks
+
+# The key a package names first in its ValueError (``actor.dual_clip=0.5 is invalid: ...``).
+_PACKAGE_KEY = re.compile(r"([A-Za-z_][\w.]*)")
+
+
+def _lookup(cfg: DriverConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    return node
+
+
+def _split_fix(text: str) -> tuple[str, str | None]:
+    """A package's message as (what is wrong, its fix): ``... is invalid: <fix>`` or
+    ``...: why; <fix>``."""
+    if "; " in text:
+        head, _, fix = text.rpartition("; ")
+        return head, fix
+    if ": " in text:
+        head, _, fix = text.partition(": ")
+        return head, fix
+    return text, None
+
+
+def _build_typed(
+    r: ValidationReport,
+    cfg: DriverConfig,
+    *,
+    who: str,
+    build: Callable[..., T],
+    kwargs: Mapping[str, Any],
+    keys: Mapping[str, tuple[str, str]],
+    fallback: Mapping[str, Any],
+    section: str,
+    fixes: Mapping[str, str] | None = None,
+) -> T | None:
+    """``build(**kwargs)`` (a package's typed config), each refused field reported
+    under its YAML key.
+
+    ``keys`` maps the key the package names in its ``ValueError`` to ``(keyword
+    argument, YAML key)``; a key it does not list (one YAML cannot set: a mapping bug)
+    is reported as ``<section>.<name>``. A package raises on its first problem: that
+    argument is reset to the accepted ``fallback`` value and the build retried, so that
+    every refused field shows at once. Returns the object built in the end (refused
+    fields replaced by their fallback, so later checks judge the rest), or None when it
+    could not be built.
+    """
+    current = dict(kwargs)
+    retried: set[str] = set()
+    while True:
+        try:
+            return build(**current)
+        except ValueError as exc:
+            text = " ".join(str(exc).split())
+            match = _PACKAGE_KEY.match(text)
+            name = match.group(1) if match else ""
+            arg, key = keys.get(name, ("", ""))
+            if not key:
+                key = name if name.startswith(f"{section}.") else f"{section}.{name.split('.')[-1]}"
+            _add_package_problem(r, cfg, key, who, text, (fixes or {}).get(key))
+            if not arg or arg in retried or arg not in fallback:
+                return None
+            retried.add(arg)
+            current[arg] = fallback[arg]
+
+
+def _add_package_problem(
+    r: ValidationReport, cfg: DriverConfig, key: str, who: str, text: str, fix: str | None
+) -> None:
+    if any(p.key == key for p in r.errors):
+        return  # reported already (e.g. non-finite, or the same ppo key by both models)
+    head, own_fix = _split_fix(text)
+    value = _lookup(cfg, key)
+    r.errors.append(
+        ConfigProblem(
+            key,
+            value,
+            f"{who} refuses it ({head})",
+            fix or own_fix or f"change {key}",
+        )
+    )
+
+
+def _check_sampler(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``ppo_sampler.SamplerConfig``: the batch, the readiness minimum, the sampler."""
+    keys = {
+        key: (name, key)
+        for name, key in (
+            ("num_prompts_per_step", "ppo.num_prompts_per_step"),
+            ("min_groups_for_streaming_train", "async_rl.min_groups_for_streaming_train"),
+            ("name", "async_rl.sampler.name"),
+            ("max_lookahead_versions", "async_rl.sampler.max_lookahead_versions"),
+            ("max_staleness_versions", "async_rl.sampler.max_staleness_versions"),
+            ("evict_stale", "async_rl.sampler.evict_stale"),
+        )
+    }
+    _build_typed(
+        r,
+        cfg,
+        who="ppo_sampler.SamplerConfig",
+        build=SamplerConfig,
+        kwargs=_sampler_kwargs(cfg),
+        keys=keys,
+        fallback=_sampler_kwargs(DriverConfig()),
+        section="async_rl.sampler",
+        fixes={
+            "ppo.num_prompts_per_step": "set ppo.num_prompts_per_step to 1 or more",
+            "async_rl.sampler.max_lookahead_versions": "set it to 0 or more",
+            "async_rl.sampler.max_staleness_versions": "set it to 0 or more",
+        },
+    )
+
+
+def _trainer_keys(
+    prefix: str, section: str, ppo_fields: Sequence[str]
+) -> dict[str, tuple[str, str]]:
+    """``actor.lr`` -> ``("lr", "policy.lr")``, ``actor.eps_clip`` -> ``ppo.eps_clip`` ..."""
+    keys = {f"{prefix}.{arg}": (arg, f"{section}.{name}") for arg, name in _TRAIN_FIELDS.items()}
+    for name in ("loss_agg", *ppo_fields):
+        keys[f"{prefix}.{name}"] = (name, f"ppo.{name}")
+    return keys
+
+
+def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``ppo_trainer``'s ``ModelSpec``, ``ActorConfig`` and ``CriticConfig``: the very
+    objects ``train`` builds (:func:`trainer_configs`), field errors by YAML key."""
+    vocab = _builtin_vocab_size()
+    default = DriverConfig()
+    specs: dict[Role, ModelSpec] = {}
+    for role in ROLES:
+        section = _section(role)
+        ok_kwargs = _model_spec_kwargs(ModelConfig(), vocab_size=vocab, seed=0)
+        spec = _build_typed(
+            r,
+            cfg,
+            who="ppo_trainer.ModelSpec",
+            build=ModelSpec,
+            kwargs=_model_spec_kwargs(cfg.model(role), vocab_size=vocab, seed=_seed(cfg, role)),
+            keys={f"model.{name}": (name, f"{section}.{name}") for name in _MODEL_FIELDS},
+            fallback=ok_kwargs,
+            section=section,
+        )
+        specs[role] = spec or ModelSpec(**ok_kwargs)
+    per_rank = _samples_per_rank_or_guess(cfg, "policy")
+    _build_typed(
+        r,
+        cfg,
+        who="ppo_trainer.ActorConfig",
+        build=ActorConfig,
+        kwargs={"model": specs["policy"], **_actor_kwargs(cfg, samples_per_rank=per_rank)},
+        keys=_trainer_keys("actor", "policy", _ACTOR_PPO_FIELDS),
+        fallback=_actor_kwargs(default, samples_per_rank=1),
+        section="policy",
+    )
+    per_rank = _samples_per_rank_or_guess(cfg, "critic")
+    _build_typed(
+        r,
+        cfg,
+        who="ppo_trainer.CriticConfig",
+        build=CriticConfig,
+        kwargs={"model": specs["critic"], **_critic_kwargs(cfg, samples_per_rank=per_rank)},
+        keys=_trainer_keys("critic", "critic", _CRITIC_PPO_FIELDS),
+        fallback=_critic_kwargs(default, samples_per_rank=1),
+        section="critic",
+    )
+
+
+def _samples_per_rank_or_guess(cfg: DriverConfig, role: Role) -> int:
+    """:func:`_samples_per_rank`; a guess when the mesh is broken (``_check_mesh``
+    reports that), so that the trainer's other checks still run."""
+    try:
+        return _samples_per_rank(cfg, role)
+    except ValueError:
+        return max(1, cfg.samples_per_step // max(1, cfg.cluster.actor_gpus))
+
+
+def _builtin_vocab_size() -> int:
+    """The vocabulary ``train`` gives the tiny model (the built-in task's tokenizer)."""
+    from ppo_driver.rollout import TASK_ALPHABET, CharTokenizer  # lazy: loads the engines
+
+    return CharTokenizer(TASK_ALPHABET).vocab_size
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def _check_layout(r: ValidationReport, cfg: DriverConfig) -> None:
+    """The bundle layout ``train`` reserves, as ppo_placement judges it; streaming needs
+    generation on its own devices (``check_streaming_layout``)."""
+    gpus = "set cluster.{0} to at least 1 ({1})"
+    layout = _build_typed(
+        r,
+        cfg,
+        who="ppo_placement.placement_layout",
+        build=placement_layout,
+        kwargs=_layout_kwargs(cfg),
+        keys={name: (name, f"cluster.{name}") for name in _layout_kwargs(cfg)},
+        fallback=_layout_kwargs(DriverConfig()),
+        section="cluster",
+        fixes={
+            "cluster.actor_gpus": gpus.format("actor_gpus", "actor and critic share them"),
+            "cluster.rollout_gpus": gpus.format(
+                "rollout_gpus",
+                "the generation engines' GPUs; with cluster.colocate=true, full-batch mode "
+                "only, they time-share the training GPUs",
+            ),
+        },
+    )
+    if layout is None:
+        return
+    try:
+        SharedPlacement(layout)  # its bundle and share checks (pure until create())
+    except ValueError as exc:
+        _add_package_problem(
+            r, cfg, "cluster.colocate", "ppo_placement.SharedPlacement", str(exc), None
+        )
+    try:
+        check_streaming_layout(layout, streaming=_streams(cfg))
+    except ValueError as exc:
+        exc_head = " ".join(str(exc).split()).split(" (layout:")[0]
+        r.errors.append(
+            ConfigProblem(
+                "cluster.colocate",
+                cfg.cluster.colocate,
+                f"{_streaming_why(cfg)}; streaming needs generation on its own devices "
+                f"(ppo_placement.check_streaming_layout refuses a colocated layout: {exc_head})",
+                "set cluster.colocate=false and cluster.rollout_gpus >= 1, "
+                f"or async_rl.min_groups_for_streaming_train={cfg.batch_groups} for full-batch mode",
             )
         )
 
@@ -727,87 +1119,77 @@ def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
 # --------------------------------------------------------------------------- Megatron
 
 
-def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> None:
-    """Classic DDP only, no MXFP8 parameters with the distributed optimizer (document);
-    what megatron-core and the trainer's Megatron backend refuse; one layout for both."""
+def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> bool:
+    """The Megatron backend: its option parser (with the extra), the rules it leaves to
+    set-up (Transformer Engine, FP8 recipes), the mesh, and one backend and layout for
+    both models. Returns whether both models' meshes are usable (``dp_size``)."""
+    enabled = [role for role in ROLES if cfg.model(role).megatron_cfg.enabled]
     for role in ROLES:
-        mc: MegatronCfg = getattr(cfg, role).megatron_cfg
-        p = f"{role}.megatron_cfg"
-        if mc.use_megatron_fsdp:
-            r.errors.append(
-                ConfigProblem(
-                    f"{p}.use_megatron_fsdp",
-                    True,
-                    "Megatron FSDP is not supported: shared actor/critic offload needs classic DDP "
-                    "gradient buffers that stay resident while parameters leave the device",
-                    f"set {p}.use_megatron_fsdp=false (classic Megatron DDP)",
-                )
+        if role not in enabled:
+            _warn_inert_megatron(r, cfg, role)
+    if not enabled:
+        return True
+    why = _megatron_import_error()
+    if why is not None:
+        p = f"{enabled[0]}.megatron_cfg"
+        r.errors.append(
+            ConfigProblem(
+                f"{p}.enabled",
+                True,
+                f"the Megatron backend cannot be imported ({why})",
+                f"install the extra {MEGATRON_EXTRA} (in this workspace: "
+                f"`uv sync --extra megatron`), or set {p}.enabled=false",
             )
-        mxfp8 = mc.fp8_param and (mc.fp8_recipe or "").lower() == "mxfp8"
-        if mxfp8 and mc.optimizer.use_distributed_optimizer:
-            r.errors.append(
-                ConfigProblem(
-                    f"{p}.optimizer.use_distributed_optimizer",
-                    True,
-                    "MXFP8 parameters (fp8_param with fp8_recipe=mxfp8) share parameter and gradient "
-                    "storage under the distributed optimizer, so offloading parameters cannot keep "
-                    "gradients resident (regardless of overlap_param_gather)",
-                    f"set {p}.optimizer.use_distributed_optimizer=false or drop MXFP8 parameters "
-                    f"({p}.fp8_param=false)",
-                )
-            )
-        if mc.optimizer.overlap_param_gather and not mc.optimizer.use_distributed_optimizer:
-            r.errors.append(
-                ConfigProblem(
-                    f"{p}.optimizer.overlap_param_gather",
-                    True,
-                    "the parameter all-gather it overlaps exists only with the distributed "
-                    "optimizer (megatron-core silently ignores it otherwise; Megatron-LM "
-                    "refuses the combination)",
-                    f"set {p}.optimizer.overlap_param_gather=false, or "
-                    f"{p}.optimizer.use_distributed_optimizer=true",
-                )
-            )
-        elif mc.optimizer.overlap_param_gather and mc.enabled:
-            r.warnings.append(
-                ConfigProblem(
-                    f"{p}.optimizer.overlap_param_gather",
-                    True,
-                    "the trainer runs the distributed optimizer's parameter all-gather "
-                    "synchronously (its offload between chunks needs the gathered parameters "
-                    "in place), so this has no effect",
-                    f"remove {p}.optimizer.overlap_param_gather",
-                    severity="warning",
-                )
-            )
-        if mc.fp8_recipe is not None and mc.fp8_recipe.lower() not in FP8_RECIPES:
-            r.errors.append(
-                ConfigProblem(
-                    f"{p}.fp8_recipe",
-                    mc.fp8_recipe,
-                    "unknown FP8 recipe",
-                    f"use one of {', '.join(FP8_RECIPES)} (null: delayed)",
-                )
-            )
-        elif mc.fp8_recipe is not None and not mc.fp8_param:
-            r.warnings.append(
-                ConfigProblem(
-                    f"{p}.fp8_recipe",
-                    mc.fp8_recipe,
-                    f"has no effect while {p}.fp8_param is false",
-                    f"set {p}.fp8_param=true for FP8 parameters, or remove {p}.fp8_recipe",
-                    severity="warning",
-                )
-            )
-        sizes_ok = _check_positive(
-            r, f"{p}.tensor_model_parallel_size", mc.tensor_model_parallel_size
         )
-        sizes_ok &= _check_positive(
-            r, f"{p}.pipeline_model_parallel_size", mc.pipeline_model_parallel_size
-        )
-        if mc.enabled and sizes_ok:
-            _check_megatron_layout(r, cfg, role)
+    mesh_ok = True
+    for role in enabled:
+        if why is None:
+            _check_megatron_options(r, cfg, role)
+        _check_megatron_rules(r, cfg, role)
+        mesh_ok &= _check_mesh(r, cfg, role)
+    _check_megatron_pair(r, cfg)
+    return mesh_ok
 
+
+def _megatron_import_error() -> str | None:
+    """Why the trainer's Megatron backend cannot be imported here (None: it can)."""
+    try:
+        get_backend("megatron")
+    except ImportError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def _warn_inert_megatron(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
+    """``megatron_cfg`` settings of a model that trains with plain torch do nothing."""
+    p = f"{role}.megatron_cfg"
+    mine = _leaves(dataclasses.asdict(cfg.model(role).megatron_cfg))
+    for name, default in _leaves(dataclasses.asdict(MegatronCfg())).items():
+        if name != "enabled" and mine[name] != default:
+            r.warnings.append(
+                ConfigProblem(
+                    f"{p}.{name}",
+                    mine[name],
+                    f"has no effect while {p}.enabled is false (the model trains with plain torch)",
+                    f"set {p}.enabled=true to use it, or remove {p}.{name}",
+                    severity="warning",
+                )
+            )
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _check_megatron_pair(r: ValidationReport, cfg: DriverConfig) -> None:
+    """Actor and critic: one backend, one parallel layout (critic rank r runs on actor
+    rank r's bundle and hands it its values)."""
     policy, critic = cfg.policy.megatron_cfg, cfg.critic.megatron_cfg
     if policy.enabled != critic.enabled:
         r.errors.append(
@@ -818,22 +1200,131 @@ def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> None:
                 f"set critic.megatron_cfg.enabled={str(policy.enabled).lower()}",
             )
         )
-    elif policy.enabled:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            mine, theirs = getattr(critic, name), getattr(policy, name)
-            if mine != theirs:
-                r.errors.append(
-                    ConfigProblem(
-                        f"critic.megatron_cfg.{name}",
-                        mine,
-                        f"actor and critic must use the same parallel layout (policy has "
-                        f"{theirs}): the critic reuses the actor's placement bundles, critic "
-                        "rank r runs beside actor rank r and hands it its values",
-                        f"set critic.megatron_cfg.{name}={theirs}",
-                    )
+        return
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        mine, theirs = getattr(critic, name), getattr(policy, name)
+        key = f"critic.megatron_cfg.{name}"
+        if mine != theirs and min(mine, theirs) >= 1 and all(p.key != key for p in r.errors):
+            r.errors.append(
+                ConfigProblem(
+                    key,
+                    mine,
+                    f"actor and critic must use the same parallel layout (policy has "
+                    f"{theirs}): the critic reuses the actor's placement bundles, critic "
+                    "rank r runs beside actor rank r and hands it its values",
+                    f"set critic.megatron_cfg.{name}={theirs}",
                 )
-    if policy.enabled or critic.enabled:
-        _check_megatron_install(r, cfg)
+            )
+
+
+def _check_megatron_options(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
+    """``ppo_trainer.megatron.parse_options`` on the ``backend_options`` ``train`` passes,
+    then what the backend refuses at set-up (Transformer Engine for its layer spec)."""
+    from ppo_trainer.megatron import (  # lazy: the optional extra (megatron-core)
+        parse_options,
+        transformer_engine_available,
+    )
+
+    p = f"{role}.megatron_cfg"
+    options = _backend_options(cfg.model(role).megatron_cfg)
+    keys = {f"{p}.{name}": (name, f"{p}.{name}") for name in options}
+    for name in dataclasses.asdict(MegatronOptimizerCfg()):
+        keys[f"{p}.optimizer.{name}"] = ("optimizer", f"{p}.optimizer.{name}")
+
+    def parse(**opts: Any) -> Any:
+        return parse_options(opts, role=role)
+
+    parsed = _build_typed(
+        r,
+        cfg,
+        who="ppo_trainer.megatron.parse_options",
+        build=parse,
+        kwargs=options,
+        keys=keys,
+        fallback=_backend_options(MegatronCfg(enabled=True)),
+        section=p,
+    )
+    if parsed is None:
+        return
+    te = transformer_engine_available()
+    impl = parsed.transformer_impl
+    use_te = te if impl == "auto" else impl == "transformer_engine"
+    needs = "needs CUDA and the extra ppo-trainer[te]: not available on this machine"
+    if impl == "transformer_engine" and not te:
+        r.errors.append(
+            ConfigProblem(
+                f"{p}.transformer_impl",
+                impl,
+                f"the Transformer Engine layer spec {needs}",
+                f"install ppo-trainer[te] on a CUDA machine, or set {p}.transformer_impl=auto "
+                "(or local)",
+            )
+        )
+    elif parsed.fp8_param and not use_te:
+        why = (
+            f"which {needs}"
+            if impl == "auto"
+            else f"which {p}.transformer_impl={impl} does not use"
+        )
+        r.errors.append(
+            ConfigProblem(
+                f"{p}.fp8_param",
+                True,
+                f"FP8 parameters need the Transformer Engine layer spec, {why}",
+                f"install ppo-trainer[te] on a CUDA machine (transformer_impl auto or "
+                f"transformer_engine), or set {p}.fp8_param=false",
+            )
+        )
+
+
+def _check_megatron_rules(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
+    """What the option parser accepts but Megatron does not use, or refuses only when
+    it builds the model: ``overlap_param_gather`` and the FP8 recipe."""
+    mc = cfg.model(role).megatron_cfg
+    p = f"{role}.megatron_cfg"
+    if mc.optimizer.overlap_param_gather and not mc.optimizer.use_distributed_optimizer:
+        r.errors.append(
+            ConfigProblem(
+                f"{p}.optimizer.overlap_param_gather",
+                True,
+                "the parameter all-gather it overlaps exists only with the distributed "
+                "optimizer (megatron-core silently ignores it otherwise; Megatron-LM "
+                "refuses the combination)",
+                f"set {p}.optimizer.overlap_param_gather=false, or "
+                f"{p}.optimizer.use_distributed_optimizer=true",
+            )
+        )
+    elif mc.optimizer.overlap_param_gather:
+        r.warnings.append(
+            ConfigProblem(
+                f"{p}.optimizer.overlap_param_gather",
+                True,
+                "the trainer runs the distributed optimizer's parameter all-gather "
+                "synchronously (parameters that sleep between chunks need it in place), "
+                "so this has no effect",
+                f"remove {p}.optimizer.overlap_param_gather",
+                severity="warning",
+            )
+        )
+    if mc.fp8_recipe is not None and mc.fp8_recipe.lower() not in FP8_RECIPES:
+        r.errors.append(
+            ConfigProblem(
+                f"{p}.fp8_recipe",
+                mc.fp8_recipe,
+                "unknown FP8 recipe (megatron-core refuses it when it builds the model)",
+                f"use one of {', '.join(FP8_RECIPES)} (null: delayed)",
+            )
+        )
+    elif mc.fp8_recipe is not None and not mc.fp8_param:
+        r.warnings.append(
+            ConfigProblem(
+                f"{p}.fp8_recipe",
+                mc.fp8_recipe,
+                f"has no effect while {p}.fp8_param is false",
+                f"set {p}.fp8_param=true for FP8 parameters, or remove {p}.fp8_recipe",
+                severity="warning",
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -845,11 +1336,13 @@ class _Shape:
     source: str
 
 
-def _model_shape(cfg: DriverConfig, role: str) -> _Shape | None:
+def _model_shape(cfg: DriverConfig, role: Role) -> _Shape | None:
     """The head / layer / vocabulary counts the trainer builds ``role`` with: the
     checkpoint's config.json with a model_path, else the tiny model of the config."""
-    m: ModelConfig = getattr(cfg, role)
+    m = cfg.model(role)
     if m.model_path is None:
+        if min(m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers) < 1:
+            return None  # reported by ppo_trainer.ModelSpec
         return _Shape(
             m.num_attention_heads,
             m.num_key_value_heads,
@@ -872,31 +1365,35 @@ def _model_shape(cfg: DriverConfig, role: str) -> _Shape | None:
         return None  # reported by _check_files
 
 
-def _check_megatron_layout(r: ValidationReport, cfg: DriverConfig, role: str) -> None:
-    """What megatron's parallel_state and the trainer's transformer config refuse."""
-    mc: MegatronCfg = getattr(cfg, role).megatron_cfg
+def _check_mesh(r: ValidationReport, cfg: DriverConfig, role: Role) -> bool:
+    """The model's ranks as the shared placement holds them (one per training GPU,
+    ``cluster.actor_gpus``): ``tp * pp`` must divide them (the rest is data parallel),
+    ``tp`` the heads, key/value heads and vocabulary, ``pp`` the layers (what megatron's
+    parallel_state and the trainer's transformer config refuse at set-up). Returns
+    whether ``dp_size(role)`` is defined."""
     p = f"{role}.megatron_cfg"
-    tp, pp, gpus = (
-        mc.tensor_model_parallel_size,
-        mc.pipeline_model_parallel_size,
-        cfg.cluster.actor_gpus,
-    )
+    tp, pp = cfg.model_parallel_sizes(role)
+    gpus = cfg.cluster.actor_gpus
+    if tp < 1 or pp < 1 or gpus < 1:
+        return False  # reported by parse_options / placement_layout (or the missing extra)
     tp_key, pp_key = f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size"
-    if gpus >= 1 and gpus % (tp * pp):
+    ok = True
+    if gpus % (tp * pp):
+        ok = False
         r.errors.append(
             ConfigProblem(
                 tp_key if tp > 1 else pp_key,
                 tp if tp > 1 else pp,
                 f"tensor x pipeline parallel = {tp} x {pp} = {tp * pp} ranks per model "
-                f"replica, which does not divide cluster.actor_gpus={gpus} (data parallel = "
-                "cluster.actor_gpus / (tensor x pipeline))",
+                f"replica, which does not divide cluster.actor_gpus={gpus} (each model has one "
+                "rank per training GPU; data parallel = cluster.actor_gpus / (tensor x pipeline))",
                 f"choose {p}.tensor_model_parallel_size and pipeline_model_parallel_size whose "
                 f"product divides {gpus}, or set cluster.actor_gpus to a multiple of {tp * pp}",
             )
         )
     shape = _model_shape(cfg, role)
     if shape is None:
-        return
+        return ok
     counts = (
         ("attention heads", shape.heads),
         ("key/value heads", shape.kv_heads),
@@ -922,149 +1419,32 @@ def _check_megatron_layout(r: ValidationReport, cfg: DriverConfig, role: str) ->
                 f"set {pp_key} to a divisor of {shape.layers}",
             )
         )
+    return ok
 
 
-def _megatron_import_error() -> str | None:
-    """Why the trainer's Megatron backend cannot be imported here (None: it can)."""
-    from ppo_trainer import get_backend  # lazy: imports torch
-
-    try:
-        get_backend("megatron")
-    except ImportError as exc:
-        return str(exc).splitlines()[0]
-    return None
+# --------------------------------------------------------------------------- alignment
 
 
-def _check_megatron_install(r: ValidationReport, cfg: DriverConfig) -> None:
-    """The optional dependencies an enabled Megatron backend needs, on this machine."""
-    role = "policy" if cfg.policy.megatron_cfg.enabled else "critic"
-    why = _megatron_import_error()
-    if why is not None:
-        r.errors.append(
-            ConfigProblem(
-                f"{role}.megatron_cfg.enabled",
-                True,
-                f"the Megatron backend cannot be imported ({why})",
-                f"install the extra {MEGATRON_EXTRA} (in this workspace: "
-                f"`uv sync --extra megatron`), or set {role}.megatron_cfg.enabled=false",
-            )
-        )
-        return
-    from ppo_trainer.megatron import transformer_engine_available  # lazy: imports megatron
-
-    if transformer_engine_available():
-        return
-    for role in ROLES:
-        mc: MegatronCfg = getattr(cfg, role).megatron_cfg
-        if mc.enabled and mc.fp8_param:
-            r.errors.append(
-                ConfigProblem(
-                    f"{role}.megatron_cfg.fp8_param",
-                    True,
-                    "FP8 parameters need the Transformer Engine layer spec, which needs CUDA "
-                    "and the extra ppo-trainer[te]: not available on this machine",
-                    f"install ppo-trainer[te] on a CUDA machine, or set "
-                    f"{role}.megatron_cfg.fp8_param=false",
-                )
-            )
-
-
-# --------------------------------------------------------------------------- batch, layout
-
-
-def _streaming_why(cfg: DriverConfig) -> str:
-    return (
-        f"streaming is on (async_rl.min_groups_for_streaming_train={cfg.min_groups} < "
-        f"ppo.num_prompts_per_step={cfg.batch_groups})"
-    )
-
-
-def _check_batch(r: ValidationReport, cfg: DriverConfig, *, counts_ok: bool) -> None:
-    """Readiness minimum, what streaming needs, alignment (every problem, no early exit)."""
-    ppo, sampler = cfg.ppo, cfg.async_rl.sampler
-    batch, minimum = cfg.batch_groups, cfg.min_groups
-    if not counts_ok:
-        return
-    if minimum > batch:
-        r.errors.append(
-            ConfigProblem(
-                "async_rl.min_groups_for_streaming_train",
-                minimum,
-                f"the minimum exceeds the batch (ppo.num_prompts_per_step={batch}), so no chunk could ever start",
-                f"set it between 1 and {batch} ({batch} selects full-batch mode)",
-            )
-        )
-    streaming = minimum < batch
-    if streaming and ppo.ppo_epochs != 1:
-        r.errors.append(
-            ConfigProblem(
-                "ppo.ppo_epochs",
-                ppo.ppo_epochs,
-                f"{_streaming_why(cfg)} and streaming allows exactly one policy epoch",
-                f"set ppo.ppo_epochs=1, or async_rl.min_groups_for_streaming_train={batch} for full-batch mode",
-            )
-        )
-    if streaming and sampler.name in SAMPLER_NAMES and sampler.name not in STREAMING_SAMPLERS:
-        r.errors.append(
-            ConfigProblem(
-                "async_rl.sampler.name",
-                sampler.name,
-                f"{_streaming_why(cfg)}; streaming needs an in_order or ready_first sampler",
-                "set async_rl.sampler.name=in_order (or ready_first)",
-            )
-        )
-    if cfg.cluster.actor_gpus >= 1:
-        _check_alignment(r, cfg, streaming=streaming)
-
-
-def _check_layout(r: ValidationReport, cfg: DriverConfig, *, streaming: bool) -> None:
-    """The bundle layout ``train`` reserves, as ppo_placement judges it."""
-    if cfg.cluster.actor_gpus < 1 or cfg.cluster.rollout_gpus < 0:
-        return  # reported as ranges
-    problem = _layout_problem(cfg, streaming=streaming)
-    if problem is None:
-        return
-    if streaming:
-        r.errors.append(
-            ConfigProblem(
-                "cluster.colocate",
-                cfg.cluster.colocate,
-                f"{_streaming_why(cfg)}; streaming needs generation on its own devices ({problem})",
-                "set cluster.colocate=false and cluster.rollout_gpus >= 1, "
-                f"or async_rl.min_groups_for_streaming_train={cfg.batch_groups} for full-batch mode",
-            )
-        )
-        return
-    name = "colocate"
-    if problem.startswith(("actor_gpus=", "rollout_gpus=")):
-        name = problem.split("=", 1)[0]
-    r.errors.append(
-        ConfigProblem(
-            f"cluster.{name}",
-            getattr(cfg.cluster, name),
-            f"ppo_placement refuses the layout: {problem}",
-            "give generation GPUs of its own (cluster.rollout_gpus >= 1), or let it "
-            "share the training GPUs (cluster.colocate=true, full-batch mode only)",
-        )
-    )
-
-
-def _check_alignment(r: ValidationReport, cfg: DriverConfig, *, streaming: bool) -> None:
+def _check_alignment(r: ValidationReport, cfg: DriverConfig) -> None:
     """Batch and minimum: multiples of both models' data-parallel and micro-batch sizes."""
     ppo = cfg.ppo
-    batch, minimum = ppo.num_prompts_per_step, cfg.async_rl.min_groups_for_streaming_train
+    batch, minimum = cfg.batch_groups, cfg.min_groups
+    if batch < 1 or minimum < 1:
+        return  # reported by ppo_sampler.SamplerConfig
     try:
         align = cfg.group_alignment
     except ValueError as exc:
-        r.errors.append(
-            ConfigProblem(
-                "cluster.actor_gpus",
-                cfg.cluster.actor_gpus,
-                f"cannot compute group alignment ({exc})",
-                "fix the data-parallel sizes and micro-batch sizes",
+        if not r.errors:  # otherwise a consequence of a size reported already
+            r.errors.append(
+                ConfigProblem(
+                    "ppo.num_prompts_per_step",
+                    batch,
+                    f"cannot compute the group alignment ({exc})",
+                    "fix the data-parallel and micro-batch sizes",
+                )
             )
-        )
         return
+    dp = (cfg.dp_size("policy"), cfg.dp_size("critic"))
     checked = [("ppo.num_prompts_per_step", batch)]
     if minimum <= batch:  # a minimum above the batch is reported as such, not as unaligned
         checked.append(("async_rl.min_groups_for_streaming_train", minimum))
@@ -1076,14 +1456,14 @@ def _check_alignment(r: ValidationReport, cfg: DriverConfig, *, streaming: bool)
                     key,
                     val,
                     f"not a multiple of the group alignment {align} (the groups whose samples split evenly over "
-                    f"actor and critic data-parallel ranks ({cfg.cluster.actor_gpus}) and micro-batches "
+                    f"the data-parallel ranks (policy {dp[0]}, critic {dp[1]}) and micro-batches "
                     f"(policy {cfg.policy.train_micro_batch_size}, critic {cfg.critic.train_micro_batch_size}) "
                     f"with {ppo.num_generations_per_prompt} generations per prompt)",
                     f"set {key} to a multiple of {align}, e.g. {lo} or {lo + align}",
                 )
             )
     if (
-        streaming
+        _streams(cfg)
         and batch % align == 0
         and minimum % align == 0
         and single_chunk_only(batch=batch, min_groups=minimum, alignment=align)
@@ -1100,21 +1480,6 @@ def _check_alignment(r: ValidationReport, cfg: DriverConfig, *, streaming: bool)
                 severity="warning",
             )
         )
-
-
-def _layout_problem(cfg: DriverConfig, *, streaming: bool) -> str | None:
-    """What ppo_placement refuses about the layout ``train`` reserves; None when nothing."""
-    try:
-        layout = placement_layout(
-            actor_gpus=cfg.cluster.actor_gpus,
-            rollout_gpus=cfg.cluster.rollout_gpus,
-            colocate=cfg.cluster.colocate,
-        )
-        SharedPlacement(layout)  # its bundle and share checks (pure until create())
-        check_streaming_layout(layout, streaming=streaming)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 # --------------------------------------------------------------------------- files, reward
@@ -1206,88 +1571,3 @@ def _check_reward(r: ValidationReport, cfg: DriverConfig) -> None:
                 fix,
             )
         )
-
-
-# --------------------------------------------------------------------------- the trainer's checks
-
-
-def _builtin_vocab_size() -> int:
-    """The vocabulary ``train`` gives the tiny model (its character tokenizer)."""
-    from ppo_driver.rollout import CharTokenizer  # lazy: imports torch
-    from ppo_driver.run import TASK_ALPHABET  # lazy: run imports this module
-
-    return CharTokenizer(TASK_ALPHABET).vocab_size
-
-
-def _check_with_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
-    """The trainer's own checks on the very configs ``train`` builds.
-
-    Every rule above mirrors one of them so that all problems show at once; this net
-    catches a rule the trainer gained later and any bug in the driver -> trainer mapping
-    (``ppo_driver.run.build_trainer_configs``, the Megatron ``backend_options``).
-    """
-    from ppo_driver.run import build_trainer_configs  # lazy: run imports this module
-
-    try:
-        configs = build_trainer_configs(cfg, vocab_size=_builtin_vocab_size())
-    except Exception as exc:
-        # A consequence of a problem already reported (e.g. cluster.actor_gpus=0) is not
-        # reported twice; the trainer's own ValueError always is (unless its key is).
-        if isinstance(exc, ValueError) or not r.errors:
-            _add_trainer_problem(r, cfg, exc, "ppo_trainer refuses it")
-        return
-    if not any(c.backend == "megatron" for c in configs) or _megatron_import_error():
-        return
-    from ppo_trainer.megatron import parse_options  # lazy: imports megatron-core
-
-    for role, trainer_cfg in zip(ROLES, configs, strict=True):
-        if trainer_cfg.backend != "megatron":
-            continue
-        try:
-            parse_options(trainer_cfg.backend_options, role=role)
-        except ValueError as exc:
-            _add_trainer_problem(
-                r,
-                cfg,
-                exc,
-                f"the trainer's Megatron backend refuses the options the driver builds from "
-                f"{role}.megatron_cfg",
-            )
-
-
-def _yaml_key(cfg: DriverConfig, trainer_key: str, value_text: str | None) -> str:
-    """The YAML key behind a key the trainer names (``actor.lr`` -> ``policy.lr``)."""
-    head, _, name = trainer_key.partition(".")
-    if head in ("actor", "critic") and name in _PPO_KEYS:
-        return f"ppo.{name}"
-    if head in ("actor", "critic"):
-        role = "policy" if head == "actor" else "critic"
-        return f"{role}.{_TRAINER_RENAMES.get(name, name)}"
-    if head == "model":  # ModelSpec: the policy's is built first
-        ours = repr(getattr(cfg.policy, name, None))
-        return f"policy.{name}" if value_text in (None, ours) else f"critic.{name}"
-    return trainer_key
-
-
-def _lookup(cfg: DriverConfig, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part, None)
-    return node
-
-
-def _add_trainer_problem(r: ValidationReport, cfg: DriverConfig, exc: Exception, who: str) -> None:
-    text = " ".join(str(exc).split())
-    match = _TRAINER_KEY.match(text)
-    key = _yaml_key(cfg, match.group(1), match.group(2)) if match else "policy"
-    if any(p.key == key for p in r.errors):
-        return
-    head, sep, tail = text.partition(": ")
-    r.errors.append(
-        ConfigProblem(
-            key,
-            _lookup(cfg, key),
-            f"{who} ({head})" if sep else f"{who} ({type(exc).__name__}: {text})",
-            tail if sep else "change the value the message names",
-        )
-    )

@@ -9,7 +9,6 @@ plot and the Chrome-trace timeline.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import logging
@@ -29,7 +28,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import ray
+import torch
 import yaml
+from ppo_lifecycle import ALL_PARTS, Role
+from ppo_placement import SharedPlacement, check_streaming_layout, placement_layout, start_local_ray
+from ppo_sampler import Sampler, SamplerConfig, make_sampler
+from ppo_trainer import ActorWorker, CriticWorker
 
 from ppo_driver.checkpoint import (
     CheckpointDamaged,
@@ -42,10 +47,24 @@ from ppo_driver.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from ppo_driver.config import DriverConfig, ModelConfig
+from ppo_driver.config import DriverConfig, trainer_configs
 from ppo_driver.metrics import MetricsWriter, format_step_line, plot_rewards, read_metrics
 from ppo_driver.pump import InjectedFailure, StepReport, TrainPump
+from ppo_driver.rollout import (
+    TASK_ALPHABET,
+    CharTokenizer,
+    PromptDataset,
+    RefitStats,
+    RolloutManager,
+    SamplingParams,
+    WeightRefitter,
+    launch_embedded_engines,
+    load_reward_fn,
+    repeat_reward,
+    synthetic_records,
+)
 from ppo_driver.trace import TraceRecorder
+from ppo_driver.workers import TrainGroup
 
 __all__ = [
     "FAIL_ENV",
@@ -56,7 +75,6 @@ __all__ = [
     "RunResult",
     "RunStopped",
     "StartupError",
-    "build_trainer_configs",
     "last_checkpoint_note",
     "parse_fail_at",
     "resume_config_changes",
@@ -127,9 +145,6 @@ class RunStopped(BaseException):
         return 128 + self.signum
 
 
-TASK_ALPHABET = "abcdefgh0123456789:"
-
-
 @dataclass
 class RunResult:
     run_dir: Path
@@ -140,114 +155,26 @@ class RunResult:
     resumed_from: int | None = None
 
 
-# ------------------------------------------------------------------- config mapping
-
-
-def _model_spec(m: ModelConfig, *, vocab_size: int, seed: int) -> Any:
-    from ppo_trainer import ModelSpec
-
-    return ModelSpec(
-        path=m.model_path,
-        vocab_size=vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads,
-        seed=seed,
-    )
-
-
-def build_trainer_configs(cfg: DriverConfig, *, vocab_size: int) -> tuple[Any, Any]:
-    """The ``ActorConfig`` and ``CriticConfig`` of this run (the trainer's own types)."""
-    from ppo_trainer import ActorConfig, CriticConfig
-
-    ppo = cfg.ppo
-    per_rank = max(1, cfg.samples_per_step // cfg.cluster.actor_gpus)
-
-    def common(m: ModelConfig, seed: int) -> dict[str, Any]:
-        mc = m.megatron_cfg
-        options: dict[str, Any] = {}
-        if mc.enabled:
-            options = {
-                "tensor_model_parallel_size": mc.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
-                "optimizer": dataclasses.asdict(mc.optimizer),
-                "use_megatron_fsdp": mc.use_megatron_fsdp,
-                "fp8_param": mc.fp8_param,
-                "fp8_recipe": mc.fp8_recipe,
-            }
-        return {
-            "model": _model_spec(m, vocab_size=vocab_size, seed=seed),
-            "backend": "megatron" if mc.enabled else "torch",
-            "backend_options": options,
-            "device": "auto",
-            "lr": m.lr,
-            "weight_decay": m.weight_decay,
-            "max_grad_norm": m.max_grad_norm,
-            "warmup_steps": m.warmup_steps,
-            "micro_batch_size": m.train_micro_batch_size or per_rank,
-            "loss_agg": ppo.loss_agg,
-        }
-
-    actor = ActorConfig(
-        **common(cfg.policy, cfg.run.seed),
-        eps_clip=ppo.eps_clip,
-        eps_clip_high=ppo.eps_clip_high,
-        dual_clip=ppo.dual_clip,
-        kl_loss_coef=ppo.kl_loss_coef,
-        kl_estimator=ppo.kl_estimator,
-        entropy_coef=ppo.entropy_coef,
-    )
-    critic = CriticConfig(**common(cfg.critic, cfg.run.seed + 1), value_clip=ppo.value_clip)
-    return actor, critic
-
-
 # ------------------------------------------------------------------- engines
 
 
 class _Generation:
     """The engines as the pump's plan sees them: refit, pause/resume (shared devices)."""
 
-    def __init__(self, engines: list[Any], refitter: Any) -> None:
+    def __init__(self, engines: list[Any], refitter: WeightRefitter) -> None:
         self.engines, self.refitter = engines, refitter
-        self.last_refit: Any = None
+        self.last_refit: RefitStats | None = None
 
     def refit(self, *, version: int) -> None:
         self.last_refit = self.refitter.refit(version=version)
 
     def pause(self) -> None:
-        import ray
-
         ray.get([e.pause_generation.remote() for e in self.engines])
         ray.get([e.release_memory.remote() for e in self.engines])
 
     def resume(self) -> None:
-        import ray
-
         ray.get([e.resume_memory.remote() for e in self.engines])
         ray.get([e.continue_generation.remote() for e in self.engines])
-
-
-def _layout(cfg: DriverConfig) -> Any:
-    """The bundle layout (critic reuses the actor's bundles; colocated: max of both)."""
-    from ppo_placement import check_streaming_layout, placement_layout
-
-    layout = placement_layout(
-        actor_gpus=cfg.cluster.actor_gpus,
-        rollout_gpus=cfg.cluster.rollout_gpus,
-        colocate=cfg.cluster.colocate,
-    )
-    check_streaming_layout(layout, streaming=cfg.streaming)
-    return layout
-
-
-def _placement(layout: Any) -> Any:
-    """The shared placement group: actor rank r and critic rank r on bundle r, the
-    engines on the rollout bundles (or on the training bundles when colocated)."""
-    from ppo_placement import SharedPlacement
-
-    return SharedPlacement(layout).create()
 
 
 # ------------------------------------------------------------------- logging / progress
@@ -631,6 +558,20 @@ def train(
             lock.release()
 
 
+@dataclass
+class _Built:
+    """Everything a run drives, built in :func:`_build`."""
+
+    actor: TrainGroup
+    critic: TrainGroup
+    engines: list[Any]
+    generation: _Generation
+    sampler: Sampler
+    manager: RolloutManager
+    trace: TraceRecorder
+    pump: TrainPump
+
+
 def _run(
     cfg: DriverConfig,
     *,
@@ -642,27 +583,9 @@ def _run(
     guard: _SignalGuard,
     t_run: float,
 ) -> RunResult:
-    """Build (cluster, worker groups, engines, data) -> resume -> the step loop ->
-    teardown (of whatever was built, however the run ends)."""
-    import ray
-    import torch
-    from ppo_placement import start_local_ray
-    from ppo_sampler import SamplerConfig, make_sampler
-    from ppo_trainer import ActorWorker, CriticWorker, gae, masked_whiten
-
-    from ppo_driver.rollout import (
-        CharTokenizer,
-        PromptDataset,
-        RolloutManager,
-        SamplingParams,
-        WeightRefitter,
-        launch_embedded_engines,
-        load_reward_fn,
-        repeat_reward,
-        synthetic_records,
-    )
-
-    ckpt_dir = run_dir / "checkpoints"
+    """Build (cluster, worker groups, engines, data) -> start the models one at a time
+    (and resume) -> the step loop -> teardown (of whatever was built, however the run
+    ends)."""
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     torch.manual_seed(cfg.run.seed)
     cleanup = ExitStack()  # teardown, last built first; each step runs even if one fails
@@ -677,228 +600,271 @@ def _run(
         cleanup.callback(run)
 
     with cleanup:
-        # ---- cluster, placement, workers, engines
-        started_here = not ray.is_initialized()
-        layout = _layout(cfg)
-        if started_here and not keep_ray:
-            on_exit("ray.shutdown", ray.shutdown)
-        start_local_ray(
-            num_gpus=layout.num_gpus,
-            num_cpus=cfg.cluster.num_cpus
-            or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
-        )
+        built = _build(cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit)
         guard.install()  # ray.init replaced the SIGTERM handler with its own
-        from ppo_driver.workers import TrainGroup
-
-        log.info("start-up: Ray up after %.1f s", time.perf_counter() - t_run)
-
-        tokenizer = CharTokenizer(TASK_ALPHABET)
-        actor_cfg, critic_cfg = build_trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
-        placement = _placement(layout)
-        on_exit("placement teardown", placement.teardown)
-        actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
-        on_exit("actor workers", actor.kill)
-        critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
-        on_exit("critic workers", critic.kill)
-        rollout_slots = list(placement.rollout_view())
-        engine_slots = [
-            rollout_slots[i % len(rollout_slots)] for i in range(cfg.rollout.num_engines)
-        ]
-        engines = launch_embedded_engines(
-            cfg.rollout.num_engines,
-            model=actor_cfg.model,
-            run_seed=cfg.run.seed,
-            scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
-            num_cpus=engine_slots[0].num_cpus,
-            num_gpus=engine_slots[0].num_gpus,
-            step_delay_s=cfg.rollout.decode_delay_s,
-        )
-        for engine in engines:
-            on_exit("engine", partial(ray.kill, engine))
-        actor.ready()
-        critic.ready()
-        ray.get([e.health.remote() for e in engines])
-        log.info(
-            "start-up: workers and %d engine(s) ready after %.1f s",
-            len(engines),
-            time.perf_counter() - t_run,
-        )
-        refitter = WeightRefitter(actor=actor.handles[0], engines=engines)
-        generation = _Generation(engines, refitter)
-
-        sampler = make_sampler(
-            SamplerConfig(
-                num_prompts_per_step=cfg.batch_groups,
-                min_groups_for_streaming_train=cfg.min_groups,
-                name=cfg.async_rl.sampler.name,
-                max_lookahead_versions=cfg.async_rl.sampler.max_lookahead_versions,
-                max_staleness_versions=cfg.async_rl.sampler.max_staleness_versions,
-                evict_stale=cfg.async_rl.sampler.evict_stale,
-            )
-        )
-        records = synthetic_records(
-            num_prompts=4096,
-            seed=cfg.run.seed,
-            max_count=int(cfg.rollout.extra.get("max_count", 8)),
-        )
-        dataset = PromptDataset(records, tokenizer)
-        reward_fn = load_reward_fn(cfg.rollout.reward) if cfg.rollout.reward else repeat_reward
-        lookahead = cfg.async_rl.sampler.max_lookahead_versions
-        manager = RolloutManager(
-            engines=engines,
-            dataset=dataset,
-            sampler=sampler,
-            reward_fn=reward_fn,
-            params=SamplingParams(
-                n=cfg.ppo.num_generations_per_prompt,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                stop_token_ids=(tokenizer.eos_id,),
-            ),
-            prompts_per_step=cfg.batch_groups,
-            max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
-            groups_per_call=1,
-            on_engine_restart=refitter.restore_engine,
-            reward_timeout_s=cfg.rollout.reward_timeout_s,
-            max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
-        )
-        trace = TraceRecorder(origin=t_run)
-        mode = "streaming" if cfg.streaming else "full-batch"
-
-        def write_outputs() -> None:
-            trace.write(run_dir / "trace.json")
-            metrics_path = run_dir / "metrics.jsonl"
-            rows = read_metrics(metrics_path) if metrics_path.exists() else []
-            if rows:
-                plot_rewards(
-                    rows, run_dir / "reward.png", title=f"{cfg.run.name}: mean reward ({mode})"
-                )
-
-        on_exit("trace and reward plot", write_outputs)
-        pump = TrainPump(
-            cfg,
-            actor=actor,
-            critic=critic,
-            rollout=manager,
-            generation=generation,
-            sampler=sampler,
-            alignment=cfg.group_alignment,
-            pad_id=tokenizer.pad_id,
-            trace=trace,
-            gae=gae,
-            whiten=masked_whiten,
-            fail_at=fail_at,
-            step_of=manager.buffer.step_of,
-        )
-
-        # ---- resume
-        resumed_from: int | None = None
-        if latest is not None:
-            data = load_checkpoint(latest)
-            actor.call("load_checkpoint", str(latest / "actor"))
-            critic.call("load_checkpoint", str(latest / "critic"))
-            state = data.state
-            sampler.load_state_dict(state["sampler"])
-            rollout_tensors = {
-                k[len("rollout/") :]: v for k, v in data.tensors.items() if k.startswith("rollout/")
-            }
-            manager.load_state_dict(state["rollout"], rollout_tensors)
-            restore_rng(state["rng"], data.tensors)
-            pump.completed_steps = int(state["completed_steps"])
-            pump.weight_version = int(state["weight_version"])
-            resumed_from = pump.completed_steps
-            if pump.weight_version > 0:
-                generation.refit(version=pump.weight_version)  # the checkpoint's policy
-            log.info(
-                "resumed from %s: %d step(s) done, weight version %d",
-                latest.name,
-                pump.completed_steps,
-                pump.weight_version,
-            )
-        pump.residency.start()
-
-        metrics_writer = MetricsWriter(
-            run_dir / "metrics.jsonl",
-            keep_steps_below=pump.completed_steps if latest is not None else None,
-        )
-        on_exit("metrics file", metrics_writer.close)
-        result = RunResult(
-            run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from
-        )
-        log.info(
-            "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
-            mode,
-            cfg.batch_groups,
-            cfg.ppo.num_generations_per_prompt,
-            cfg.min_groups,
-            cfg.run.num_steps,
-            run_dir,
-        )
-
-        def checkpoint(step_done: int) -> None:
-            if pump.in_update:  # pragma: no cover - the loop only calls between steps
-                raise RuntimeError("checkpoint requested inside an update")
-
-            def write_models(tmp: Path) -> None:
-                pump.residency.save_both(
-                    lambda role: (actor if role == "actor" else critic).call(
-                        "save_checkpoint", str(tmp / role)
-                    ),
-                    step=step_done,
-                )
-
-            def crash_hook(point: str) -> None:
-                if fail_at == f"{step_done}:checkpoint" and point == "after_models":
-                    raise InjectedFailure(f"injected failure while writing checkpoint {step_done}")
-
-            rollout_meta, rollout_tensors = manager.state_dict()
-            rng_json, rng_tensors = rng_state()
-            tensors = {**rng_tensors, **{f"rollout/{k}": v for k, v in rollout_tensors.items()}}
-            with trace.span("checkpoint", step=step_done - 1, phase="checkpoint"):
-                path = save_checkpoint(
-                    ckpt_dir,
-                    step_done,
-                    state={
-                        "completed_steps": pump.completed_steps,
-                        "weight_version": pump.weight_version,
-                        "sampler": sampler.state_dict(),
-                        "rollout": rollout_meta,
-                        "rng": rng_json,
-                        "config": cfg.to_dict(),
-                    },
-                    tensors=tensors,
-                    write_models=write_models,
-                    keep=cfg.run.keep_checkpoints,
-                    crash_hook=crash_hook,
-                )
-            log.info("checkpoint %s", path)
-
-        while pump.completed_steps < cfg.run.num_steps:
-            report = pump.run_step()
-            result.reports.append(report)
-            metrics = report.metrics
-            if generation.last_refit is not None:
-                metrics["perf/refit_bytes"] = generation.last_refit.bytes
-            metrics_writer.write(metrics)
-            result.metrics.append(metrics)
-            result.completed_steps = pump.completed_steps
-            prefix = (
-                _progress_bar(pump.completed_steps, cfg.run.num_steps) + " "
-                if cfg.run.progress
-                else ""
-            )
-            log.info("%s%s", prefix, format_step_line(metrics))
-            if on_step is not None:
-                on_step(report)
-            every = cfg.run.checkpoint_every
-            if (
-                every and pump.completed_steps % every == 0
-            ) or pump.completed_steps == cfg.run.num_steps:
-                with guard.deferred():  # a stop signal waits for the checkpoint to complete
-                    checkpoint(pump.completed_steps)
+        resumed_from = _start(built, latest=latest, t_run=t_run)
+        result = _loop(
+            cfg, built, run_dir=run_dir, resumed_from=resumed_from, fail_at=fail_at,
+            on_step=on_step, guard=guard, on_exit=on_exit,
+        )  # fmt: skip
     result.wall_s = time.perf_counter() - t_run
     _summary(result, cfg)
+    return result
+
+
+def _build(
+    cfg: DriverConfig,
+    *,
+    run_dir: Path,
+    fail_at: str | None,
+    keep_ray: bool,
+    on_exit: Callable[[str, Callable[[], object]], None],
+) -> _Built:
+    """The cluster, the shared placement, the worker processes (models not built yet),
+    the engines, the data and the pump."""
+    t0 = time.perf_counter()
+    started_here = not ray.is_initialized()
+    layout = placement_layout(
+        actor_gpus=cfg.cluster.actor_gpus,
+        rollout_gpus=cfg.cluster.rollout_gpus,
+        colocate=cfg.cluster.colocate,
+    )
+    check_streaming_layout(layout, streaming=cfg.streaming)
+    if started_here and not keep_ray:
+        on_exit("ray.shutdown", ray.shutdown)
+    start_local_ray(
+        num_gpus=layout.num_gpus,
+        num_cpus=cfg.cluster.num_cpus
+        or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
+    )
+    log.info("start-up: Ray up after %.1f s", time.perf_counter() - t0)
+
+    tokenizer = CharTokenizer(TASK_ALPHABET)
+    actor_cfg, critic_cfg = trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
+    placement = SharedPlacement(layout).create()  # actor rank r and critic rank r: bundle r
+    on_exit("placement teardown", placement.teardown)
+    actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
+    on_exit("actor workers", actor.kill)
+    critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
+    on_exit("critic workers", critic.kill)
+    rollout_slots = list(placement.rollout_view())
+    engine_slots = [rollout_slots[i % len(rollout_slots)] for i in range(cfg.rollout.num_engines)]
+    engines = launch_embedded_engines(
+        cfg.rollout.num_engines,
+        model=actor_cfg.model,
+        run_seed=cfg.run.seed,
+        scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
+        num_cpus=engine_slots[0].num_cpus,
+        num_gpus=engine_slots[0].num_gpus,
+        step_delay_s=cfg.rollout.decode_delay_s,
+    )
+    for engine in engines:
+        on_exit("engine", partial(ray.kill, engine))
+    refitter = WeightRefitter(actor=actor.handles[0], peers=actor.handles[1:], engines=engines)
+    generation = _Generation(engines, refitter)
+
+    sampler = make_sampler(
+        SamplerConfig(
+            num_prompts_per_step=cfg.batch_groups,
+            min_groups_for_streaming_train=cfg.min_groups,
+            name=cfg.async_rl.sampler.name,
+            max_lookahead_versions=cfg.async_rl.sampler.max_lookahead_versions,
+            max_staleness_versions=cfg.async_rl.sampler.max_staleness_versions,
+            evict_stale=cfg.async_rl.sampler.evict_stale,
+        )
+    )
+    records = synthetic_records(
+        num_prompts=4096, seed=cfg.run.seed, max_count=int(cfg.rollout.extra.get("max_count", 8))
+    )
+    lookahead = cfg.async_rl.sampler.max_lookahead_versions
+    manager = RolloutManager(
+        engines=engines,
+        dataset=PromptDataset(records, tokenizer),
+        sampler=sampler,
+        reward_fn=load_reward_fn(cfg.rollout.reward) if cfg.rollout.reward else repeat_reward,
+        params=SamplingParams(
+            n=cfg.ppo.num_generations_per_prompt,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_token_ids=(tokenizer.eos_id,),
+        ),
+        prompts_per_step=cfg.batch_groups,
+        max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
+        groups_per_call=1,
+        on_engine_restart=refitter.restore_engine,
+        reward_timeout_s=cfg.rollout.reward_timeout_s,
+        max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
+    )
+    trace = TraceRecorder(origin=t0)
+    mode = "streaming" if cfg.streaming else "full-batch"
+
+    def write_outputs() -> None:
+        trace.write(run_dir / "trace.json")
+        metrics_path = run_dir / "metrics.jsonl"
+        rows = read_metrics(metrics_path) if metrics_path.exists() else []
+        if rows:
+            plot_rewards(
+                rows, run_dir / "reward.png", title=f"{cfg.run.name}: mean reward ({mode})"
+            )
+
+    on_exit("trace and reward plot", write_outputs)
+    pump = TrainPump(
+        cfg,
+        actor=actor,
+        critic=critic,
+        rollout=manager,
+        generation=generation,
+        sampler=sampler,
+        pad_id=tokenizer.pad_id,
+        trace=trace,
+        fail_at=fail_at,
+        step_of=manager.buffer.step_of,
+    )
+    return _Built(actor, critic, engines, generation, sampler, manager, trace, pump)
+
+
+def _start(built: _Built, *, latest: Path | None, t_run: float) -> int | None:
+    """Start the models one at a time (two full models and optimizers never need to fit
+    at once): build the actor -> load its checkpoint -> put it fully to sleep -> build
+    the critic -> load. Then restore every other stateful part from ``latest``; returns
+    the step resumed from (``None``: a fresh run)."""
+    actor, critic, trace = built.actor, built.critic, built.trace
+    with trace.span("start actor", phase="startup"):
+        actor.build()
+        if latest is not None:
+            actor.call("load_checkpoint", path=str(latest / "actor"))
+        actor.call("sleep", parts=ALL_PARTS)
+    log.info("start-up: actor built%s and asleep", " and loaded" if latest else "")
+    with trace.span("start critic", phase="startup"):
+        critic.build()
+        if latest is not None:
+            critic.call("load_checkpoint", path=str(latest / "critic"))
+    ray.get([e.health.remote() for e in built.engines])
+    log.info(
+        "start-up: critic built%s; %d engine(s) ready after %.1f s",
+        " and loaded" if latest else "",
+        len(built.engines),
+        time.perf_counter() - t_run,
+    )
+    if latest is None:
+        return None
+    data = load_checkpoint(latest)
+    state = data.state
+    built.sampler.load_state_dict(state["sampler"])
+    rollout_tensors = {
+        k[len("rollout/") :]: v for k, v in data.tensors.items() if k.startswith("rollout/")
+    }
+    built.manager.load_state_dict(state["rollout"], rollout_tensors)
+    restore_rng(state["rng"], data.tensors)
+    built.pump.load_state_dict(state.get("pump", state))
+    built.pump.restore_generation()  # the engines get the checkpoint's policy
+    log.info(
+        "resumed from %s: %d step(s) done, weight version %d",
+        latest.name,
+        built.pump.completed_steps,
+        built.pump.weight_version,
+    )
+    return built.pump.completed_steps
+
+
+def _checkpoint(
+    cfg: DriverConfig, built: _Built, ckpt_dir: Path, *, step_done: int, fail_at: str | None
+) -> None:
+    """An atomic checkpoint after step ``step_done`` (never inside an update)."""
+    pump = built.pump
+    if pump.in_update:  # pragma: no cover - the loop only calls between steps
+        raise RuntimeError("checkpoint requested inside an update")
+
+    def write_models(tmp: Path) -> None:
+        groups = {Role.ACTOR: built.actor, Role.CRITIC: built.critic}
+        pump.save_models(
+            lambda role: groups[role].call("save_checkpoint", path=str(tmp / role)),
+            step=step_done,
+        )
+
+    def crash_hook(point: str) -> None:
+        if fail_at == f"{step_done}:checkpoint" and point == "after_models":
+            raise InjectedFailure(f"injected failure while writing checkpoint {step_done}")
+
+    rollout_meta, rollout_tensors = built.manager.state_dict()
+    rng_json, rng_tensors = rng_state()
+    tensors = {**rng_tensors, **{f"rollout/{k}": v for k, v in rollout_tensors.items()}}
+    with built.trace.span("checkpoint", step=step_done - 1, phase="checkpoint"):
+        path = save_checkpoint(
+            ckpt_dir,
+            step_done,
+            state={
+                "completed_steps": pump.completed_steps,  # also in "pump" (older readers)
+                "weight_version": pump.weight_version,
+                "pump": pump.state_dict(),
+                "sampler": built.sampler.state_dict(),
+                "rollout": rollout_meta,
+                "rng": rng_json,
+                "config": cfg.to_dict(),
+            },
+            tensors=tensors,
+            write_models=write_models,
+            keep=cfg.run.keep_checkpoints,
+            crash_hook=crash_hook,
+        )
+    log.info("checkpoint %s", path)
+
+
+def _loop(
+    cfg: DriverConfig,
+    built: _Built,
+    *,
+    run_dir: Path,
+    resumed_from: int | None,
+    fail_at: str | None,
+    on_step: Callable[[StepReport], None] | None,
+    guard: _SignalGuard,
+    on_exit: Callable[[str, Callable[[], object]], None],
+) -> RunResult:
+    """The step loop: one PPO step, its metrics line, a checkpoint when due."""
+    pump = built.pump
+    metrics_writer = MetricsWriter(
+        run_dir / "metrics.jsonl",
+        keep_steps_below=pump.completed_steps if resumed_from is not None else None,
+    )
+    on_exit("metrics file", metrics_writer.close)
+    result = RunResult(
+        run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from
+    )
+    log.info(
+        "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
+        "streaming" if cfg.streaming else "full-batch",
+        cfg.batch_groups,
+        cfg.ppo.num_generations_per_prompt,
+        cfg.min_groups,
+        cfg.run.num_steps,
+        run_dir,
+    )
+    while pump.completed_steps < cfg.run.num_steps:
+        report = pump.run_step()
+        result.reports.append(report)
+        metrics = report.metrics
+        if built.generation.last_refit is not None:
+            metrics["perf/refit_bytes"] = built.generation.last_refit.bytes
+        metrics_writer.write(metrics)
+        result.metrics.append(metrics)
+        result.completed_steps = pump.completed_steps
+        bar = (
+            _progress_bar(pump.completed_steps, cfg.run.num_steps) + " " if cfg.run.progress else ""
+        )
+        log.info("%s%s", bar, format_step_line(metrics))
+        if on_step is not None:
+            on_step(report)
+        every = cfg.run.checkpoint_every
+        if (
+            every and pump.completed_steps % every == 0
+        ) or pump.completed_steps == cfg.run.num_steps:
+            with guard.deferred():  # a stop signal waits for the checkpoint to complete
+                _checkpoint(
+                    cfg, built, run_dir / "checkpoints", step_done=pump.completed_steps,
+                    fail_at=fail_at,
+                )  # fmt: skip
     return result
 
 

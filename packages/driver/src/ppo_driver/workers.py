@@ -1,24 +1,41 @@
-"""Ray shells around the trainer workers: one Ray actor per data-parallel rank.
+"""Ray shells around the trainer workers: one Ray actor per rank, grouped by model.
 
 A :class:`TrainGroup` owns a real boundary (one process per rank, placed on a bundle of
 the shared placement group): the actor's rank ``r`` and the critic's rank ``r`` run on
-the SAME bundle (same device), each asking for a fraction of it. The group shards a
-batch over its ranks, calls one method on every rank and gathers the results. It
-decides nothing: when to sleep, wake, save or refit is the pump's plan.
+the SAME bundle (same device), each asking for a fraction of it.
+
+A group knows its mesh (``ppo_trainer.Mesh``, reported by each rank once built): rows
+are split over the data-parallel ranks only, the tensor/pipeline peers of one
+data-parallel rank get the same rows, and each result is taken from one rank per
+data-parallel group. A call runs on every rank (collectives such as the weight export
+need all of them). The group decides nothing: when to sleep, wake, save or refit is
+the pump's plan, passed into each call as ``wake_first`` / ``sleep_after``.
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
+from ppo_lifecycle import Part
+from ppo_placement import Slot
+from ppo_trainer import Mesh
+from torch import Tensor
 
-__all__ = ["Op", "Recall", "TrainGroup", "free_port", "shard_rows"]
+__all__ = [
+    "GroupResult",
+    "Pending",
+    "Rows",
+    "TrainGroup",
+    "data_parallel_layout",
+    "free_port",
+    "shard_rows",
+]
 
 _WORKER_ENV = {
     # One compute thread per worker process: actor, critic and engines share few cores.
@@ -30,55 +47,77 @@ _WORKER_ENV = {
     "THP_MEM_ALLOC_ENABLE": "1",
 }
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+Timeline = list[tuple[str, float, float]]
 
 
-def shard_rows(rows: int, world_size: int) -> list[slice]:
-    """Contiguous, equal row ranges per rank (``rows`` must divide evenly: alignment)."""
-    if rows % world_size:
+def shard_rows(rows: int, dp_size: int) -> list[slice]:
+    """Contiguous, equal row ranges per data-parallel rank (``rows`` must divide evenly:
+    the sampler's group alignment guarantees it)."""
+    if rows % dp_size:
         raise ValueError(
-            f"{rows} samples do not split over {world_size} data-parallel ranks; "
+            f"{rows} samples do not split over {dp_size} data-parallel ranks; "
             "the group alignment (ppo_sampler.group_alignment) must make chunks divisible"
         )
-    per = rows // world_size
-    return [slice(r * per, (r + 1) * per) for r in range(world_size)]
+    per = rows // dp_size
+    return [slice(r * per, (r + 1) * per) for r in range(dp_size)]
 
 
-def _slice_tree(value: Any, rows: slice) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[rows].contiguous()
-    if isinstance(value, Mapping):
-        return {k: _slice_tree(v, rows) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return type(value)(_slice_tree(v, rows) for v in value)
-    return value
+class Rows:
+    """A batch's model inputs (``[B, T]`` tensors), put into Ray's object store once per
+    data-parallel layout and shared by every call that reads them (the critic's value
+    forward and the actor's training call of one chunk ship the tokens once)."""
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        self.tensors = dict(tensors)
+        self.size = int(next(iter(self.tensors.values())).shape[0])
+        self._refs: dict[int, list[ray.ObjectRef[dict[str, Tensor]]]] = {}
+
+    def shards(self, dp_size: int) -> list[ray.ObjectRef[dict[str, Tensor]]]:
+        if dp_size not in self._refs:
+            self._refs[dp_size] = [
+                ray.put({k: v[s].contiguous() for k, v in self.tensors.items()})
+                for s in shard_rows(self.size, dp_size)
+            ]
+        return self._refs[dp_size]
 
 
-@dataclass(frozen=True)
-class Recall:
-    """An argument that stands for this rank's latest result of ``method``, kept on the
-    worker: an op can use what an earlier call computed without a driver round trip
-    (each rank gets its own rows, as sharded)."""
+@dataclass
+class GroupResult:
+    """One call's results: ``values`` one per data-parallel rank (from its first rank),
+    in data-parallel order; ``timeline``: rank 0's (label, start, end) wall-clock times
+    of the call's parts (wake-up, the work, the sleep)."""
 
-    method: str
+    values: list[Any]
+    timeline: Timeline = field(default_factory=list)
+
+    def tensor(self) -> Tensor:
+        """Per-sample results (``[B_d, ...]`` per rank) back in the batch's row order."""
+        return torch.cat(self.values, dim=0)
+
+    def summed(self) -> dict[str, float]:
+        """Per-key sums over the data-parallel ranks (non-finite values are kept)."""
+        out: dict[str, float] = {}
+        for row in self.values:
+            for k, v in row.items():
+                if isinstance(v, int | float):
+                    out[k] = out.get(k, 0.0) + float(v)
+        return out
+
+    def first(self) -> Any:
+        return self.values[0]
 
 
-@dataclass(frozen=True)
-class Op:
-    """One worker method call inside a fused call (:meth:`TrainGroup.submit`).
+@dataclass
+class Pending:
+    """A call started on every rank; :meth:`result` waits for it."""
 
-    ``label`` and ``phase`` name the call on the step timeline.
-    """
+    group: TrainGroup
+    refs: list[ray.ObjectRef[tuple[Any, Timeline]]]
 
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    label: str = ""
-    phase: str = ""
+    def result(self) -> GroupResult:
+        per_rank = ray.get(self.refs)
+        leaders = self.group.leaders
+        return GroupResult(values=[per_rank[r][0] for r in leaders], timeline=list(per_rank[0][1]))
 
 
 class _Host:
@@ -88,56 +127,49 @@ class _Host:
         self, worker_cls: type, config: Any, rank: int, world_size: int, init: str | None
     ) -> None:
         torch.set_num_threads(1)
+        self._build_args = (worker_cls, config, rank, world_size, init)
+        self.worker: Any = None
+
+    def build(self) -> Mesh:
+        """Build the model (a collective across the group's ranks); returns the mesh."""
+        worker_cls, config, rank, world_size, init = self._build_args
         self.worker = worker_cls(config, rank=rank, world_size=world_size, dist_init_method=init)
-        self._recent: dict[str, Any] = {}
+        mesh: Mesh = self.worker.mesh()
+        return mesh
 
-    def _recall(self, value: Any) -> Any:
-        if not isinstance(value, Recall):
-            return value
-        if value.method not in self._recent:
-            raise ValueError(
-                f"Recall({value.method!r}): this rank has no result of {value.method} yet; "
-                "run that call first (in this or an earlier call)"
-            )
-        return self._recent[value.method]
-
-    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def run(self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], *after: Any) -> Any:
-        """Several calls in one Ray round trip, in order: ``[(result, t0, t1)]`` with
-        wall-clock times. ``after``: object refs Ray resolves first (ordering only)."""
-        del after
-        out = []
-        for method, args, kwargs in ops:
-            t0 = time.time()
-            result = getattr(self.worker, method)(
-                *[self._recall(a) for a in args],
-                **{k: self._recall(v) for k, v in kwargs.items()},
-            )
-            self._recent[method] = result
-            out.append((result, t0, time.time()))
-        return out
-
-    def attr(self, name: str) -> Any:
-        return getattr(self.worker, name)
+    def call(
+        self,
+        method: str,
+        rows: dict[str, Tensor] | None,
+        per_sample: dict[str, Tensor],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Timeline]:
+        """``worker.<method>(rows, **per_sample, **kwargs)``; returns (result, timeline)."""
+        args = () if rows is None else (rows,)
+        t0 = time.time()
+        result = getattr(self.worker, method)(*args, **per_sample, **kwargs)
+        t1 = time.time()
+        recorded = getattr(self.worker, "last_timeline", None)
+        timeline: Timeline = list(recorded()) if callable(recorded) else []
+        if not timeline or timeline[0][1] < t0:  # not recorded by this call
+            timeline = [(method, t0, t1)]
+        return result, timeline
 
     def export_weights(self) -> Any:
-        """Used by the rollout refitter through ``__ray_call__`` on rank 0."""
+        """Used by the rollout refitter through ``__ray_call__`` (a collective: every
+        rank of the group calls it; the source rank returns the weights)."""
         return self.worker.export_weights()
 
 
 class TrainGroup:
-    """The ranks of one model (``role`` is ``"actor"`` or ``"critic"``)."""
+    """The ranks of one model (``role`` is ``"actor"`` or ``"critic"``).
 
-    def __init__(
-        self,
-        role: str,
-        worker_cls: type,
-        config: Any,
-        *,
-        slots: Sequence[Any],
-    ) -> None:
+    Construction starts one process per rank; :meth:`build` builds the models (the
+    driver builds one model, puts it to sleep, then builds the other: two full models
+    never need to fit at once).
+    """
+
+    def __init__(self, role: str, worker_cls: type, config: Any, *, slots: Sequence[Slot]) -> None:
         """``slots``: the role's ``ppo_placement`` view, one slot per rank (its
         ``actor_options()`` give the GPU/CPU share and the bundle)."""
         self.role = role
@@ -152,61 +184,95 @@ class TrainGroup:
             ).remote(worker_cls, config, rank, self.world_size, init)
             for rank, slot in enumerate(slots)
         ]
+        self.meshes: list[Mesh] = []
+        self.leaders: list[int] = []
+        self._dp_of: list[int] = []
 
-    def ready(self) -> None:
-        """Block until every rank has built its worker (surfaces construction errors)."""
-        ray.get([h.attr.remote("is_asleep") for h in self.handles])
+    def build(self) -> None:
+        """Build every rank's worker (surfaces construction errors) and learn the mesh."""
+        self.meshes = list(ray.get([h.build.remote() for h in self.handles]))
+        self._dp_of, self.leaders = data_parallel_layout(self.meshes)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """The same call on every rank; results in rank order."""
-        return list(ray.get([h.call.remote(method, args, kwargs) for h in self.handles]))
-
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return ray.get(self.handles[0].call.remote(method, args, kwargs))
-
-    def call_sharded(
-        self, method: str, batch: Mapping[str, torch.Tensor], **per_sample: Any
-    ) -> list[Any]:
-        """Shard ``batch`` and every tensor (or dict of tensors) in ``per_sample`` by rows;
-        one call per rank, results in rank order."""
-        rows = int(next(iter(batch.values())).shape[0])
-        per_rank = self.results(self.submit([Op(method, (batch,), per_sample)], rows=rows))
-        return [ops[0][0] for ops in per_rank]
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (``world_size / (tp * pp)``)."""
+        if not self.meshes:
+            raise RuntimeError(f"{self.role} group: build() first")
+        return self.meshes[0].dp_size
 
     def submit(
-        self, ops: Sequence[Op], *, rows: int | None = None, after: Sequence[Any] = ()
-    ) -> list[Any]:
-        """Start ``ops`` on every rank as ONE Ray call each; returns the refs (rank order).
+        self,
+        method: str,
+        *,
+        rows: Rows | None = None,
+        per_sample: Mapping[str, Tensor] | None = None,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
+        **kwargs: Any,
+    ) -> Pending:
+        """Start ``method`` on every rank as ONE Ray call each.
 
-        ``rows``: shard every tensor in the ops' arguments by rows (``[B, ...]`` with
-        ``B == rows``), contiguous equal ranges per rank. ``after``: refs of another group's
-        call (one per rank, or any number) that must finish before these ops start:
-        rank ``r`` waits for ``after[r]`` when the counts match, else for all of them.
+        ``rows``: the batch; rank ``r`` gets the rows of its data-parallel rank (its
+        tensor/pipeline peers the same ones). ``per_sample``: further ``[B, ...]``
+        tensors, split the same way. ``wake_first`` / ``sleep_after``: the plan's
+        lifecycle choice, carried out by the worker around the work.
         """
-        shards = shard_rows(rows, self.world_size) if rows is not None else None
+        if rows is not None or per_sample:
+            size = rows.size if rows is not None else _rows_of(per_sample or {})
+            shards = shard_rows(size, self.dp_size)
+        lifecycle: dict[str, Any] = {}
+        if wake_first:
+            lifecycle["wake_first"] = True
+        if sleep_after is not None:
+            lifecycle["sleep_after"] = frozenset(sleep_after)
         refs = []
-        for r, handle in enumerate(self.handles):
-            wire = [
-                (
-                    op.method,
-                    _slice_tree(op.args, shards[r]) if shards else op.args,
-                    _slice_tree(op.kwargs, shards[r]) if shards else op.kwargs,
+        rows_refs = rows.shards(self.dp_size) if rows is not None else None
+        for rank, handle in enumerate(self.handles):
+            dp = self._dp_of[rank]
+            sliced = {k: v[shards[dp]].contiguous() for k, v in (per_sample or {}).items()}
+            refs.append(
+                handle.call.remote(
+                    method,
+                    rows_refs[dp] if rows_refs is not None else None,
+                    sliced,
+                    {**kwargs, **lifecycle},
                 )
-                for op in ops
-            ]
-            deps = [after[r]] if len(after) == self.world_size else list(after)
-            refs.append(handle.run.remote(wire, *deps))
-        return refs
+            )
+        return Pending(self, refs)
 
-    @staticmethod
-    def results(refs: Sequence[Any]) -> list[list[tuple[Any, float, float]]]:
-        """Wait for :meth:`submit` refs: per rank, ``(result, t0, t1)`` for each op."""
-        return list(ray.get(list(refs)))
-
-    def is_asleep(self) -> bool:
-        return bool(ray.get(self.handles[0].attr.remote("is_asleep")))
+    def call(self, method: str, **kwargs: Any) -> GroupResult:
+        """:meth:`submit` and wait."""
+        return self.submit(method, **kwargs).result()
 
     def kill(self) -> None:
         for handle in self.handles:
             ray.kill(handle)
         self.handles = []
+
+
+def data_parallel_layout(meshes: Sequence[Mesh]) -> tuple[list[int], list[int]]:
+    """(the data-parallel rank of each rank, the first rank of each data-parallel group).
+
+    Raises ``ValueError`` when the ranks disagree on the data-parallel size or a
+    data-parallel rank has no member (a mesh the workers did not report consistently).
+    """
+    sizes = {m.dp_size for m in meshes}
+    if len(sizes) != 1:
+        raise ValueError(f"the ranks report different data-parallel sizes {sorted(sizes)}")
+    dp_of = [m.dp_rank for m in meshes]
+    (dp_size,) = sizes
+    missing = [d for d in range(dp_size) if d not in dp_of]
+    if missing:
+        raise ValueError(f"data-parallel rank(s) {missing} of {dp_size} have no member")
+    return dp_of, [dp_of.index(d) for d in range(dp_size)]
+
+
+def _rows_of(tensors: Mapping[str, Tensor]) -> int:
+    return int(next(iter(tensors.values())).shape[0])
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the group's data-parallel rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,8 +1,8 @@
-"""ppo_lifecycle: idempotent offload/onload with gradients kept resident.
+"""ppo_lifecycle: idempotent sleep/wake_up with gradients kept resident.
 
-The driver owns the plan (:func:`plan_transitions`, checked by
-:class:`ResidencyLedger`); trainer workers own the mechanism
-(:class:`OffloadManager`, which implements :class:`Offloadable`).
+The driver owns the plan (:func:`plan_transitions`, its residency state in
+:class:`ResidencyPlanner`, checked by :class:`ResidencyLedger`); trainer workers own
+the mechanism (:class:`OffloadManager`, which implements :class:`Offloadable`).
 """
 
 from ._backends import HostCopyBackend, OffloadBackend, TorchMemorySaverBackend
@@ -10,6 +10,7 @@ from ._ledger import ResidencyError, ResidencyLedger
 from ._manager import OffloadManager
 from ._parts import ALL_PARTS, KEEP_GRADIENTS, Part
 from ._plan import Action, Phase, PlanStep, Role, Transition, Work, plan_transitions
+from ._planner import CallPlan, ResidencyPlanner
 from ._protocol import Offloadable
 from ._tensors import StorageAliasError, check_gradient_isolation
 
@@ -19,6 +20,7 @@ __all__ = [
     "ALL_PARTS",
     "KEEP_GRADIENTS",
     "Action",
+    "CallPlan",
     "HostCopyBackend",
     "OffloadBackend",
     "OffloadManager",
@@ -28,6 +30,7 @@ __all__ = [
     "PlanStep",
     "ResidencyError",
     "ResidencyLedger",
+    "ResidencyPlanner",
     "Role",
     "StorageAliasError",
     "TorchMemorySaverBackend",

@@ -1,12 +1,16 @@
-"""Backends that move one part's storages off the device and back."""
+"""Backends that move one part's storages off the device (sleep) and back (wake_up)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import os
+import tempfile
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -24,10 +28,13 @@ BackendName = Literal["auto", "host_copy", "torch_memory_saver"]
 
 @runtime_checkable
 class OffloadBackend(Protocol):
-    """Moves the storages of one part off the device and back.
+    """Moves the storages of one part off the device and back: the mechanism under
+    :meth:`OffloadManager.sleep` (``offload``) and :meth:`OffloadManager.wake_up`
+    (``reload``), one part at a time.
 
     The manager calls ``offload(part, ...)`` only for a part that is resident and
-    ``reload(part)`` only for a part that is offloaded; a backend may assert that.
+    ``reload(part)`` only for a part that is asleep; a backend may assert that. After
+    ``offload`` the memory must be usable by another process on the same device.
     """
 
     name: str
@@ -41,7 +48,7 @@ class OffloadBackend(Protocol):
         ...
 
     def offloaded_keys(self) -> frozenset[int]:
-        """Storage keys currently off the device (all parts)."""
+        """Storage keys of the parts that are asleep."""
         ...
 
 
@@ -53,6 +60,37 @@ def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or ``None`` (another C library, or no ``ctypes`` access)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand memory that the process freed on ``device`` back to whoever can use it.
+
+    CUDA: empty the caching allocator (freed blocks would otherwise stay reserved
+    by this process, unusable by another one on the same GPU). CPU: ask glibc to
+    return free heap pages to the OS (``malloc_trim(0)``; large blocks are ``mmap``
+    chunks that ``free`` already unmapped, smaller ones stay in the heap until
+    trimmed). Nothing happens where neither applies.
+    """
+    if device.type == "cuda":
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
+    elif device.type == "cpu":
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
 
 
 def rehome(group: StorageGroup, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
@@ -74,24 +112,174 @@ class _Saved:
     key: int
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor  # uint8 [nbytes] on the host
+    host: torch.Tensor | None  # uint8 [nbytes] on the host; None: in the spill files
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
+    """The bytes of a CPU ``storage`` as a writable ``memoryview`` (no copy)."""
+    n = storage.nbytes()
+    return memoryview((ctypes.c_ubyte * n).from_address(storage.data_ptr())).cast("B")
+
+
+def _new_spill_fd(label: str) -> int:
+    """An anonymous in-memory file: ``memfd`` (Linux), else an unlinked temporary file."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(f"ppo_lifecycle:{label}", os.MFD_CLOEXEC)
+    with tempfile.TemporaryFile(prefix="ppo_lifecycle-") as handle:  # pragma: no cover
+        return os.dup(handle.fileno())
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+#: Storages are cut into pieces of at most this many bytes, spread over the files.
+_SPILL_CHUNK = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class _Piece:
+    item: int  # index into the part's saved storages
+    start: int  # byte offset in the storage
+    length: int
+    file: int  # which of the part's files
+    offset: int  # byte offset in that file
+
+
+class _Spill:
+    """One part's host copy, kept outside the process: anonymous in-memory files.
+
+    On a CPU "device" a copy in the process's own memory cannot lower its resident
+    set, so the bytes go to ``memfd`` files (kernel shared memory, not mapped, so not
+    counted in the process's RSS) through ``pwrite``/``preadv``, spread over up to
+    ``files`` files so that several threads copy at once (writes to one file are
+    serialised by the kernel). The files are closed with the backend; nothing is
+    left on disk, even when the process dies.
+    """
+
+    def __init__(self, label: str, files: int) -> None:
+        self.label = label
+        self.max_files = max(1, files)
+        self.fds: list[int] = []
+        self.pieces: list[_Piece] = []
+        self._finalizer = weakref.finalize(self, _close_all, self.fds)
+
+    def _layout(self, sizes: Sequence[int]) -> list[_Piece]:
+        total = sum(sizes)
+        count = min(self.max_files, max(1, -(-total // _SPILL_CHUNK)))
+        while len(self.fds) < count:
+            self.fds.append(_new_spill_fd(f"{self.label}.{len(self.fds)}"))
+        filled = [0] * count
+        pieces: list[_Piece] = []
+        for item, size in enumerate(sizes):
+            for start in range(0, size, _SPILL_CHUNK):
+                length = min(_SPILL_CHUNK, size - start)
+                file = min(range(count), key=filled.__getitem__)
+                pieces.append(_Piece(item, start, length, file, filled[file]))
+                filled[file] += length
+        for fd, size in zip(self.fds, filled + [0] * (len(self.fds) - count), strict=True):
+            if os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)  # a cached file longer than needed
+        return pieces
+
+    def _run(self, job: Callable[[int, list[_Piece]], None]) -> None:
+        by_file: dict[int, list[_Piece]] = {}
+        for piece in self.pieces:
+            by_file.setdefault(piece.file, []).append(piece)
+        if len(by_file) <= 1:
+            for file, pieces in by_file.items():
+                job(file, pieces)
+            return
+        with ThreadPoolExecutor(len(by_file), thread_name_prefix="ppo_lifecycle") as pool:
+            for future in [pool.submit(job, f, p) for f, p in by_file.items()]:
+                future.result()
+
+    def write(self, storages: Sequence[torch.UntypedStorage]) -> None:
+        """Copy every storage's bytes into the files (the storages are left as they are)."""
+        self.pieces = self._layout([s.nbytes() for s in storages])
+        views = [_bytes_of(s) for s in storages]
+
+        def job(file: int, pieces: list[_Piece]) -> None:
+            fd = self.fds[file]
+            for piece in pieces:
+                view = views[piece.item][piece.start : piece.start + piece.length]
+                done = 0
+                while done < piece.length:
+                    done += os.pwrite(fd, view[done:], piece.offset + done)
+
+        try:
+            self._run(job)
+        except BaseException:
+            self.drop()
+            raise
+
+    def read(self, storages: Sequence[torch.UntypedStorage]) -> None:
+        """Copy the bytes back into ``storages`` (allocated, same sizes as written)."""
+        views = [_bytes_of(s) for s in storages]
+
+        def job(file: int, pieces: list[_Piece]) -> None:
+            fd = self.fds[file]
+            for piece in pieces:
+                view = views[piece.item][piece.start : piece.start + piece.length]
+                done = 0
+                while done < piece.length:
+                    got = os.preadv(fd, [view[done:]], piece.offset + done)
+                    if got <= 0:
+                        raise OSError(
+                            f"{self.label}: host copy ends early "
+                            f"({piece.offset + done} bytes in file {file})"
+                        )
+                    done += got
+
+        self._run(job)
+
+    def drop(self) -> None:
+        """Free the files' memory (they stay open for the next sleep)."""
+        for fd in self.fds:
+            os.ftruncate(fd, 0)
+        self.pieces = []
+
+    def nbytes(self) -> int:
+        return sum(os.fstat(fd).st_size for fd in self.fds)
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 class HostCopyBackend:
     """Copy each storage to host memory, free it on the device, restore it in place.
 
     The device storage object is kept and resized (``resize_(0)`` on sleep, back to
-    its size on wake), so every tensor, view, optimizer entry and autograd node that
-    refers to it stays valid. On CUDA the host copies are pinned and the copies run
-    asynchronously with one synchronisation per direction. On a CPU "device" the
-    original storage is still released (resized to 0), so the release is real.
+    its size on wake-up), so every tensor, view, optimizer entry and autograd node
+    that refers to it stays valid. After the storages are released the memory goes
+    back where another process can use it: on CUDA the caching allocator is emptied
+    (``torch.cuda.empty_cache()``); on a CPU "device" free heap pages are returned to
+    the OS (``malloc_trim``). On CUDA the host copies are pinned and the copies run
+    asynchronously with one synchronisation per direction.
+
+    On a CPU "device" the host copy cannot stay in the process (its resident memory
+    *is* the device memory): by default it is spilled to anonymous in-memory files
+    (``memfd``: kernel shared memory outside the process's resident set, freed when
+    the backend goes away, never on disk), several at once, read back on wake-up.
+    So a sleeping CPU worker's RSS drops by what it put to sleep.
 
     Args:
         device: the device whose storages move (``cpu`` or ``cuda:N``).
         pin_memory: pin host copies; default: ``True`` on CUDA.
-        cache_host_buffers: keep the host buffers while awake, so later sleeps
-            reuse them (pinning and first-touch page faults are slow); default ``True``.
-            ``False`` frees them at each wake-up (no host memory held while awake).
+        cache_host_buffers: keep the host copies' memory while awake, so later sleeps
+            reuse it (pinning and first-touch page faults are slow). Default: ``True``
+            on CUDA (pinned buffers); ``False`` with a spill (on a CPU "device" the
+            host is the device: cached copies would hold the model's memory twice).
+        spill: host copies go to in-memory files outside the process (CPU only);
+            default: ``True`` on a CPU "device". ``False``: ``torch`` host tensors.
+        spill_files: how many files (and copying threads) a part is spread over;
+            default: ``torch.get_num_threads()``, at most 8.
+
+    Raises:
+        ValueError: ``spill=True`` on a device that is not the CPU.
     """
 
     name = "host_copy"
@@ -102,13 +290,27 @@ class HostCopyBackend:
         *,
         pin_memory: bool | None = None,
         cache_host_buffers: bool | None = None,
+        spill: bool | None = None,
+        spill_files: int | None = None,
     ) -> None:
         self.device = device
         on_cuda = device.type == "cuda"
+        self.spill = device.type == "cpu" if spill is None else spill
+        if self.spill and device.type != "cpu":
+            raise ValueError(
+                f"spill=True: device {device} is not the CPU; a spill keeps a CPU device's "
+                "host copy outside the process (on CUDA the host copy is pinned memory)"
+            )
         self.pin_memory = on_cuda if pin_memory is None else pin_memory
-        self.cache_host_buffers = True if cache_host_buffers is None else cache_host_buffers
+        if cache_host_buffers is None:
+            cache_host_buffers = not self.spill
+        self.cache_host_buffers = cache_host_buffers
+        if spill_files is not None and spill_files < 1:
+            raise ValueError(f"spill_files: {spill_files} is not >= 1")
+        self.spill_files = spill_files or min(8, torch.get_num_threads())
         self._saved: dict[Part, list[_Saved]] = {}
         self._cache: dict[int, torch.Tensor] = {}
+        self._spills: dict[Part, _Spill] = {}
 
     def _host_buffer(self, key: int, nbytes: int) -> torch.Tensor:
         cached = self._cache.get(key)
@@ -119,6 +321,12 @@ class HostCopyBackend:
             self._cache[key] = buf
         return buf
 
+    def _spill_of(self, part: Part) -> _Spill:
+        spill = self._spills.get(part)
+        if spill is None:
+            spill = self._spills[part] = _Spill(f"{part.value}", self.spill_files)
+        return spill
+
     def check_releasable(self, part: Part, groups: Sequence[StorageGroup]) -> None:
         """Raise ValueError, before anything moves, if a storage cannot be freed.
 
@@ -128,7 +336,7 @@ class HostCopyBackend:
         fixed = [g for g in groups if not g.storage.resizable()]
         if fixed:
             raise ValueError(
-                f"cannot offload {part.value}: {len(fixed)} storage(s) of "
+                f"cannot put {part.value} to sleep: {len(fixed)} storage(s) of "
                 f"{sum(g.nbytes for g in fixed)} bytes are not resizable (tensors that wrap a "
                 "file or an external buffer, e.g. straight from safetensors.load_file or "
                 "torch.frombuffer); nothing was moved. Give them storage of their own first "
@@ -136,43 +344,61 @@ class HostCopyBackend:
             )
 
     def offload(self, part: Part, groups: Sequence[StorageGroup]) -> int:
-        assert part not in self._saved, f"{part} offloaded twice"
+        """Copy ``part``'s storages to the host, then release them (a sleep)."""
+        assert part not in self._saved, f"{part} put to sleep twice"
         self.check_releasable(part, groups)
         saved: list[_Saved] = []
-        for group in groups:
-            storage, key, nbytes = group.storage, group.key, group.nbytes
-            host = self._host_buffer(key, nbytes)
-            host.untyped_storage().copy_(storage, non_blocking=self.pin_memory)
-            saved.append(_Saved(key, storage, nbytes, host))
-        _synchronize(self.device)
-        # Only after every copy landed: free the device memory.
+        if self.spill:
+            self._spill_of(part).write([g.storage for g in groups])
+            saved = [_Saved(g.key, g.storage, g.nbytes, None) for g in groups]
+        else:
+            for group in groups:
+                storage, key, nbytes = group.storage, group.key, group.nbytes
+                host = self._host_buffer(key, nbytes)
+                host.untyped_storage().copy_(storage, non_blocking=self.pin_memory)
+                saved.append(_Saved(key, storage, nbytes, host))
+            _synchronize(self.device)
+        # Only after every copy landed: free the device memory, and hand it back.
         for item in saved:
             item.storage.resize_(0)
+        release_device_memory(self.device)
         self._saved[part] = saved
         return sum(item.nbytes for item in saved)
 
     def reload(self, part: Part) -> int:
-        assert part in self._saved, f"{part} reloaded without being offloaded"
+        """Reallocate ``part``'s storages in place and copy their bytes back (a wake-up)."""
+        assert part in self._saved, f"{part} woken up without being put to sleep"
         pending = self._saved[part]
-        restored = 0
         for item in pending:
             # A retry after a failed wake-up skips storages already allocated.
             if item.storage.nbytes() != item.nbytes:
                 item.storage.resize_(item.nbytes)
-            item.storage.copy_(item.host.untyped_storage(), non_blocking=self.pin_memory)
-            restored += item.nbytes
-        _synchronize(self.device)
+        if self.spill:
+            spill = self._spills[part]
+            spill.read([item.storage for item in pending])
+            if not self.cache_host_buffers:
+                spill.drop()
+        else:
+            for item in pending:
+                assert item.host is not None
+                item.storage.copy_(item.host.untyped_storage(), non_blocking=self.pin_memory)
+            _synchronize(self.device)
         del self._saved[part]
-        return restored
+        return sum(item.nbytes for item in pending)
 
     def offloaded_keys(self) -> frozenset[int]:
         return frozenset(item.key for items in self._saved.values() for item in items)
 
     def host_bytes(self) -> int:
-        """Host memory held (offloaded copies plus cached buffers)."""
-        keys = {id(item.host): item.nbytes for v in self._saved.values() for item in v}
+        """Host memory held (copies of sleeping parts plus cached buffers or files)."""
+        keys = {
+            id(item.host): item.nbytes
+            for v in self._saved.values()
+            for item in v
+            if item.host is not None
+        }
         keys.update({id(buf): buf.numel() for buf in self._cache.values()})
-        return sum(keys.values())
+        return sum(keys.values()) + sum(s.nbytes() for s in self._spills.values())
 
 
 HookMode = Literal["preload", "torch"]
@@ -403,6 +629,9 @@ class TorchMemorySaverBackend:
         self._tms.pause(tag)
         self._paused_tags.add(tag)
         self._paused[part] = released
+        # The pause gave the region's memory back to the device; storages moved into
+        # the region just now left their old blocks in the caching allocator.
+        release_device_memory(self.device)
         return sum(n for _, n in released)
 
     def reload(self, part: Part) -> int:

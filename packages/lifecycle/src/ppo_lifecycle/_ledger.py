@@ -123,7 +123,7 @@ class ResidencyLedger:
 
     # ------------------------------------------------------------ transitions
     def sleep(self, model: str, parts: Iterable[Part] = ALL_PARTS) -> None:
-        """Record ``model`` offloading ``parts`` on all its devices (idempotent)."""
+        """Record ``model`` putting ``parts`` to sleep on all its devices (idempotent)."""
         chosen = normalize_parts(parts)
         for entry in self._model_entries(model).values():
             entry.resident -= chosen

@@ -32,16 +32,8 @@ __all__ = ["OffloadManager"]
 logger = logging.getLogger("ppo_lifecycle")
 
 
-def _tms_available() -> bool:
-    try:
-        import torch_memory_saver  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class OffloadManager:
-    """Idempotent offload/onload of one model, its optimizer state and gradients.
+    """Idempotent sleep/wake_up of one model, its optimizer state and gradients.
 
     Implements :class:`~ppo_lifecycle.Offloadable`. The driver decides *when*
     (see :func:`~ppo_lifecycle.plan_transitions`); this class is the mechanism.
@@ -59,11 +51,13 @@ class OffloadManager:
             checked here, at set-up, and again at each keep-gradients sleep.
         extra: more tensors per part that the module does not expose (flat grad
             buffers): ``{Part.GRADIENTS: lambda: [buffer]}``.
-        on_release_process_groups: called when the model goes from resident to asleep.
+        on_release_process_groups: called when the model goes from resident to asleep
+            (before anything moves).
         on_reload_process_groups: called by every ``wake_up()``, including one on a
             resident model (a failed retry may have torn the groups down).
-        pin_memory / cache_host_buffers: host-copy options (pinned on CUDA; host
-            buffers kept for reuse by default).
+        pin_memory / cache_host_buffers: host-copy options (see
+            :class:`~ppo_lifecycle.HostCopyBackend`: pinned and kept for reuse on CUDA;
+            on a CPU "device" the copy leaves the process and is freed at wake-up).
         hook_mode: ``torch_memory_saver`` hook mode (see its docs).
 
     Raises:
@@ -136,7 +130,7 @@ class OffloadManager:
         return inventory(self.model, self.optimizer, self.device, self.extra)
 
     def part_bytes(self) -> dict[Part, int]:
-        """Bytes of each part: measured on the device if resident, as offloaded if not."""
+        """Bytes of each part: measured on the device if resident, as put to sleep if not."""
         resident = self.resident_parts
         groups = collect_groups(resident, self._inventory(), skip=self.backend.offloaded_keys())
         result: dict[Part, int] = {}
@@ -179,7 +173,7 @@ class OffloadManager:
 
     # ------------------------------------------------------------- lifecycle
     def sleep(self, *, parts: Iterable[Part] = ALL_PARTS) -> None:
-        """Move ``parts`` off the device; parts already off are skipped (logged).
+        """Put ``parts`` to sleep (off the device); parts already asleep are skipped (logged).
 
         ``sleep(parts=KEEP_GRADIENTS)`` keeps the accumulated gradients resident.
 
@@ -191,7 +185,7 @@ class OffloadManager:
         todo = requested - self._asleep
         if not todo:
             logger.info(
-                "%s: sleep(%s) while already offloaded; skipping",
+                "%s: sleep(%s) while already asleep; skipping",
                 self.name,
                 sorted(p.value for p in requested),
             )
@@ -200,10 +194,10 @@ class OffloadManager:
         tensors = self._inventory()
         overlaps = find_overlaps(kept, todo, tensors)
         if overlaps:
-            names = ", ".join(f"{k.value} (kept) <-> {m.value} (offloaded)" for k, m in overlaps)
+            names = ", ".join(f"{k.value} (kept) <-> {m.value} (asleep)" for k, m in overlaps)
             raise StorageAliasError(
-                f"{self.name}: sleep(parts={sorted(p.value for p in requested)}) would offload "
-                f"memory that a kept part uses: {names}. Fix: offload them together, "
+                f"{self.name}: sleep(parts={sorted(p.value for p in requested)}) would move "
+                f"memory that a kept part uses: {names}. Fix: put them to sleep together, "
                 "or give gradients their own buffers."
             )
         groups = collect_groups(todo, tensors, skip=self.backend.offloaded_keys())
@@ -218,7 +212,7 @@ class OffloadManager:
             self._offloaded_bytes[part] = self.backend.offload(part, groups[part])
             self._asleep.add(part)
         logger.info(
-            "%s: offloaded %s (%d bytes), resident: %s",
+            "%s: asleep: %s (%d bytes), resident: %s",
             self.name,
             sorted(p.value for p in todo),
             sum(self._offloaded_bytes[p] for p in todo),
@@ -226,7 +220,7 @@ class OffloadManager:
         )
 
     def wake_up(self) -> None:
-        """Bring every offloaded part back; on a resident model only reload process groups."""
+        """Bring every sleeping part back; on a resident model only reload process groups."""
         if not self._asleep:
             logger.info(
                 "%s: wake_up() while already resident; ensuring process groups only", self.name

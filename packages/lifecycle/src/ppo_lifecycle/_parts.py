@@ -23,10 +23,10 @@ class Part(StrEnum):
     BUFFERS = "buffers"
 
 
-#: Offload everything: the model leaves the device completely.
+#: Sleep with everything: the model leaves the device completely.
 ALL_PARTS: frozenset[Part] = frozenset(Part)
 
-#: Offload everything except the accumulated gradients, which stay on the device
+#: Sleep with everything except the accumulated gradients, which stay on the device
 #: (the actor between streaming chunks).
 KEEP_GRADIENTS: frozenset[Part] = frozenset(Part) - {Part.GRADIENTS}
 

@@ -15,9 +15,9 @@ class Offloadable(Protocol):
     """Something that can leave the device and come back, idempotently.
 
     - ``sleep(parts=...)`` moves the selected parts off the device. Parts already
-      off the device are skipped; a sleep that has nothing left to move is a logged
+      asleep are skipped; a sleep that has nothing left to move is a logged
       no-op, never an error (retries are safe).
-    - ``wake_up()`` brings every offloaded part back. On a resident model it only
+    - ``wake_up()`` brings every sleeping part back. On a resident model it only
       re-establishes what a failed retry may have torn down (process groups).
     - ``is_asleep`` is true while any part is off the device.
     """
@@ -27,7 +27,7 @@ class Offloadable(Protocol):
         ...
 
     def wake_up(self) -> None:
-        """Bring every offloaded part back onto the device."""
+        """Bring every sleeping part back onto the device."""
         ...
 
     @property

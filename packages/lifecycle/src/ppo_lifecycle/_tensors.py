@@ -91,7 +91,7 @@ def collect_groups(
     A storage reachable from two parts (tied weights, a buffer aliasing a
     parameter) belongs to the first part in the fixed part order, so it moves
     exactly once; its tensors from the other parts are grouped with it. Storages
-    whose key is in ``skip`` (already offloaded) are left out.
+    whose key is in ``skip`` (already asleep) are left out.
     """
     skipped = set(skip)
     owner: dict[int, Part] = {}
@@ -176,10 +176,10 @@ def check_gradient_isolation(
         names = ", ".join(f"{kept.value}<->{moved.value}" for kept, moved in overlaps)
         raise StorageAliasError(
             f"keep_gradients=True: gradient storage overlaps {names} on {dev}; "
-            "offloading parameters would free or overwrite the resident gradients "
+            "putting parameters to sleep would free or overwrite the resident gradients "
             "(as with MXFP8 parameters under a distributed optimizer). Fix: give "
-            "gradients their own buffers, or set keep_gradients=False and offload "
-            "gradients together with parameters (sleep(parts=ALL_PARTS))."
+            "gradients their own buffers, or set keep_gradients=False and put "
+            "gradients to sleep together with parameters (sleep(parts=ALL_PARTS))."
         )
 
 

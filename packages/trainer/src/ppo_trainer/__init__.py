@@ -6,7 +6,9 @@ Public API (see the package README and docs/interfaces.md):
   ``entropy_from_logits``, ``logprobs_from_logits``, ``masked_mean``, ``masked_sum``,
   ``masked_whiten``, ``aggregate_loss``, ``check_reward_kl``, ``MAX_LOG_RATIO``;
 * configs: ``ModelSpec``, ``ActorConfig``, ``CriticConfig``;
-* workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``;
+* workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``,
+  ``Mesh`` (``worker.mesh()``), ``Timeline`` (``worker.last_timeline()``); lifecycle
+  parts (``Part``, ``ALL_PARTS``, ``KEEP_GRADIENTS``) come from ``ppo_lifecycle``;
 * Hugging Face models: ``build_causal_lm``, ``build_value_model``, ``save_hf_checkpoint``;
 * backends: ``get_backend``, ``register_backend``, ``available_backends``,
   ``backend_importable`` and the ``Backend`` / ``TrainModel`` / ``FrozenModel`` protocols.
@@ -16,6 +18,7 @@ from ppo_trainer._backend import (
     Backend,
     BackendFactory,
     FrozenModel,
+    Mesh,
     TrainModel,
     available_backends,
     backend_importable,
@@ -48,20 +51,23 @@ from ppo_trainer._math import (
     policy_loss,
     value_loss,
 )
-from ppo_trainer._parts import ALL_PARTS, KEEP_GRADIENTS, Part
 from ppo_trainer._torch_backend import (
     build_causal_lm,
     build_value_model,
     host_bound_tcp_store,
     save_hf_checkpoint,
 )
-from ppo_trainer._workers import ActorWorker, CriticWorker, EmptyStepError, loss_denominator
+from ppo_trainer._workers import (
+    ActorWorker,
+    CriticWorker,
+    EmptyStepError,
+    Timeline,
+    loss_denominator,
+)
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "ALL_PARTS",
-    "KEEP_GRADIENTS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCHEDULERS",
@@ -75,9 +81,10 @@ __all__ = [
     "CriticWorker",
     "EmptyStepError",
     "FrozenModel",
+    "Mesh",
     "ModelSpec",
-    "Part",
     "PolicyLoss",
+    "Timeline",
     "TrainModel",
     "ValueLoss",
     "__version__",

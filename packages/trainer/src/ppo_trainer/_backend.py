@@ -17,10 +17,11 @@ once per worker and rank::
 
 A ``Backend`` (one per worker per rank) must provide:
 
-* ``name``, ``device`` (where the worker puts batches), ``dp_rank``, ``dp_size``.
-  ``world_size`` counts every rank of the worker group; the data-parallel size is
-  ``world_size / (tensor * pipeline parallel)``. The driver shards batches over
-  data-parallel ranks; ranks of one model-parallel group receive the same shard.
+* ``name``, ``device`` (where the worker puts batches), ``mesh`` (a :class:`Mesh`: this
+  rank's place in the group). ``world_size`` counts every rank of the worker group; the
+  data-parallel size is ``world_size / (tensor * pipeline parallel)``. The driver shards
+  batches over data-parallel ranks; ranks of one model-parallel group receive the same
+  shard.
   The factory initialises ``torch.distributed`` from ``dist_init_method`` when
   ``world_size > 1`` (gloo on CPU, NCCL on CUDA), or reuses an already initialised
   default group of the same size (an actor and a critic in one process share it).
@@ -48,17 +49,20 @@ A ``FrozenModel`` must provide:
   pipeline parallelism, ``fn`` runs on the last stage and the backend broadcasts its
   ``[b, T]`` result so every rank returns it.
 * ``export_hf() -> dict[str, Tensor]``: the full weights under Hugging Face
-  ``state_dict()`` names, contiguous CPU tensors, the same on every rank.
+  ``state_dict()`` names, contiguous CPU tensors, the same on every rank that calls it.
+  A collective over the model-parallel (tensor x pipeline) group at most: every rank of
+  that group calls it; ranks of other data-parallel shards need not (the actor's
+  ``export_weights`` calls it on the group of global rank 0 only).
 * ``load_hf(state)``: the inverse (strict: every name present, same shapes).
-* ``offload(parts)`` / ``onload()``: move this model's memory off / back to the
-  device (the torch backend uses ``ppo_lifecycle.OffloadManager``). ``parts`` is a set
-  of ``Part`` (``PARAMETERS``, ``OPTIMIZER``, ``GRADIENTS``, ``BUFFERS``); parts not
-  named stay resident (the actor keeps ``GRADIENTS`` between chunks). ``offload`` may
-  be called again with further, disjoint parts before ``onload``; ``onload`` brings
-  back everything. The worker guarantees it never offloads a part twice (idempotence
-  lives in the worker); after ``onload`` every tensor holds exactly its old value and
-  the accumulated gradients are untouched by a keep-gradients sleep. Honour
-  ``config.offload_backend`` (``auto`` / ``host_copy`` / ``torch_memory_saver``).
+* ``sleep(parts=...)`` / ``wake_up()``: move this model's memory off / back to the
+  device (both backends use ``ppo_lifecycle.OffloadManager``). ``parts`` is a set of
+  ``Part`` (``PARAMETERS``, ``OPTIMIZER``, ``GRADIENTS``, ``BUFFERS``); parts not
+  named stay resident (the actor keeps ``GRADIENTS`` between chunks). ``sleep`` may
+  be called again with further, disjoint parts before ``wake_up``; ``wake_up`` brings
+  back everything. The worker guarantees it never puts a part to sleep twice
+  (idempotence lives in the worker); after ``wake_up`` every tensor holds exactly its
+  old value and the accumulated gradients are untouched by a keep-gradients sleep.
+  Honour ``config.offload_backend`` (``auto`` / ``host_copy`` / ``torch_memory_saver``).
 
 A ``TrainModel`` is a ``FrozenModel`` plus:
 
@@ -90,11 +94,11 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-
-from ppo_trainer._parts import Part
+from ppo_lifecycle import Part
 
 if TYPE_CHECKING:
     from ppo_trainer._config import ActorConfig, CriticConfig
@@ -104,6 +108,7 @@ __all__ = [
     "BackendFactory",
     "Batch",
     "FrozenModel",
+    "Mesh",
     "TrainModel",
     "available_backends",
     "backend_importable",
@@ -119,6 +124,49 @@ ForwardFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, float]]]
 
 
+@dataclass(frozen=True)
+class Mesh:
+    """Where one rank of a worker group sits in its parallel layout (``worker.mesh()``).
+
+    ``rank`` / ``world_size``: the rank in the worker group and the group's size (every
+    rank, all parallel dimensions). ``dp_rank`` / ``dp_size``: its data-parallel shard and
+    the number of shards; ``tp_rank`` / ``tp_size`` and ``pp_rank`` / ``pp_size``: its
+    place in the tensor- and pipeline-parallel groups (``world_size == dp_size * tp_size
+    * pp_size``). The torch backend is data parallel only (``dp_rank == rank``, ``tp_size
+    == pp_size == 1``); the megatron backend reads megatron's ``parallel_state``.
+
+    How the driver uses it: split a batch's rows over the ``dp_size`` shards only, give
+    every rank with the same ``dp_rank`` (its tensor/pipeline peers) the same rows, and
+    take each result from one rank per ``dp_rank`` (they all return the same). Calls that
+    are collectives (everything that runs the model, ``export_weights``) go to every rank.
+    """
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    tp_size: int
+    pp_size: int
+    _: KW_ONLY
+    tp_rank: int
+    pp_rank: int
+
+    def __post_init__(self) -> None:
+        if self.dp_size * self.tp_size * self.pp_size != self.world_size:
+            raise ValueError(
+                f"Mesh: dp_size={self.dp_size} x tp_size={self.tp_size} x pp_size="
+                f"{self.pp_size} != world_size={self.world_size}"
+            )
+        for name, index, size in (
+            ("rank", self.rank, self.world_size),
+            ("dp_rank", self.dp_rank, self.dp_size),
+            ("tp_rank", self.tp_rank, self.tp_size),
+            ("pp_rank", self.pp_rank, self.pp_size),
+        ):
+            if not 0 <= index < size:
+                raise ValueError(f"Mesh: {name}={index} is out of range for size {size}")
+
+
 @runtime_checkable
 class FrozenModel(Protocol):
     """A model that only runs forward (the reference model; base of ``TrainModel``)."""
@@ -129,9 +177,9 @@ class FrozenModel(Protocol):
 
     def load_hf(self, state: Mapping[str, torch.Tensor]) -> None: ...
 
-    def offload(self, parts: frozenset[Part]) -> None: ...
+    def sleep(self, *, parts: frozenset[Part]) -> None: ...
 
-    def onload(self) -> None: ...
+    def wake_up(self) -> None: ...
 
 
 @runtime_checkable
@@ -165,8 +213,7 @@ class Backend(Protocol):
 
     name: str
     device: torch.device
-    dp_rank: int
-    dp_size: int
+    mesh: Mesh
 
     def build_policy(self) -> TrainModel: ...
 

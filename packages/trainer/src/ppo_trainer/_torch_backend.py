@@ -18,24 +18,23 @@ import os
 import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from ppo_lifecycle import OffloadManager
+from ppo_lifecycle import OffloadManager, Part
 from torch import nn
 
 from ppo_trainer._backend import (
     Batch,
     ForwardFn,
     LossFn,
+    Mesh,
     lr_multiplier,
     sum_floats_over_ranks,
 )
 from ppo_trainer._config import ActorConfig, CriticConfig, ModelSpec
-from ppo_trainer._parts import Part
 
 __all__ = [
     "TorchBackend",
@@ -186,10 +185,10 @@ class TorchFrozenModel:
     def load_hf(self, state: Mapping[str, torch.Tensor]) -> None:
         self.module.load_state_dict(dict(state), strict=True)
 
-    def offload(self, parts: frozenset[Part]) -> None:
+    def sleep(self, *, parts: frozenset[Part]) -> None:
         self.lifecycle.sleep(parts=parts)
 
-    def onload(self) -> None:
+    def wake_up(self) -> None:
         self.lifecycle.wake_up()
 
 
@@ -219,8 +218,8 @@ class TorchTrainModel(TorchFrozenModel):
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            partial(
-                _multiplier,
+            lambda step: lr_multiplier(
+                step=step,
                 scheduler=config.lr_scheduler,
                 warmup_steps=config.warmup_steps,
                 decay_steps=config.decay_steps,
@@ -308,18 +307,6 @@ class TorchTrainModel(TorchFrozenModel):
         self.load_hf(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _multiplier(
-    step: int, *, scheduler: str, warmup_steps: int, decay_steps: int | None, min_lr_ratio: float
-) -> float:
-    return lr_multiplier(
-        step=step,
-        scheduler=scheduler,
-        warmup_steps=warmup_steps,
-        decay_steps=decay_steps,
-        min_lr_ratio=min_lr_ratio,
-    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -444,8 +431,9 @@ class TorchBackend:
             )
         self.config = config
         self.device = resolve_device(config.device)
-        self.dp_rank = rank
-        self.dp_size = world_size
+        self.mesh = Mesh(
+            rank, world_size, rank, world_size, tp_size=1, pp_size=1, tp_rank=0, pp_rank=0
+        )
         init_process_group(
             rank=rank, world_size=world_size, dist_init_method=dist_init_method, device=self.device
         )
@@ -457,7 +445,7 @@ class TorchBackend:
             kind="lm",
             device=self.device,
             config=self.config,
-            dp_size=self.dp_size,
+            dp_size=self.mesh.dp_size,
             name="actor",
             keep_gradients=True,
         )
@@ -480,13 +468,13 @@ class TorchBackend:
             kind="value",
             device=self.device,
             config=self.config,
-            dp_size=self.dp_size,
+            dp_size=self.mesh.dp_size,
             name="critic",
             keep_gradients=False,
         )
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        return sum_floats_over_ranks(values, dp_size=self.dp_size, device=self.device)
+        return sum_floats_over_ranks(values, dp_size=self.mesh.dp_size, device=self.device)
 
     def release_process_groups(self) -> None:
         """No-op: the torch backend keeps its (small) process group across sleeps."""

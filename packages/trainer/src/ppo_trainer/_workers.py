@@ -3,23 +3,29 @@
 The driver owns the plan (when to sleep, when to save, chunk boundaries, the step's
 loss denominator); the workers own the mechanism. Every method works on CPU tensors
 in and out (``[B, T]``, shifted layout of docs/interfaces.md); the backend moves them
-to its device. Model memory is moved only by ``sleep`` / ``wake_up`` (idempotent).
+to its device. Model memory is moved only by ``sleep`` / ``wake_up`` (idempotent), which
+the driver calls directly or asks for around one call with the lifecycle options
+``wake_first`` / ``sleep_after`` (one Ray round trip per model per chunk).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
+from ppo_lifecycle import ALL_PARTS, Action, Part, Role, Transition
 from torch import Tensor
 
-from ppo_trainer._backend import Backend, Batch, FrozenModel, TrainModel, get_backend
+from ppo_trainer._backend import Backend, Batch, FrozenModel, Mesh, TrainModel, get_backend
 from ppo_trainer._config import ActorConfig, CriticConfig
 from ppo_trainer._math import (
     aggregate_loss,
@@ -30,14 +36,16 @@ from ppo_trainer._math import (
     policy_loss,
     value_loss,
 )
-from ppo_trainer._parts import ALL_PARTS, Part, parts_from
 from ppo_trainer._serialize import load_state, save_state
 
-__all__ = ["ActorWorker", "CriticWorker", "EmptyStepError", "loss_denominator"]
+__all__ = ["ActorWorker", "CriticWorker", "EmptyStepError", "Timeline", "loss_denominator"]
 
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_FORMAT = 1
+
+Timeline = list[tuple[str, float, float]]
+"""``(label, t0, t1)`` per piece of one worker call, wall-clock ``time.time()`` seconds."""
 
 
 class EmptyStepError(ValueError):
@@ -45,7 +53,7 @@ class EmptyStepError(ValueError):
 
 
 def loss_denominator(*, loss_mask: Tensor, loss_agg: str) -> float:
-    """The denominator the driver passes to every ``backward`` of one step.
+    """The denominator the driver passes to every ``train_chunk`` of one step.
 
     ``loss_mask: [B, T]``: the WHOLE step's loss mask over all chunks and ranks (or sum
     the per-chunk results). ``token``: the number of valid tokens; ``sample``: the
@@ -112,6 +120,30 @@ def _cpu_cat(parts: list[Tensor]) -> Tensor:
     return torch.cat([p.to("cpu") for p in parts], dim=0)
 
 
+def _rows(micro_batches: Sequence[Batch]) -> int:
+    return sum(int(mb["input_ids"].shape[0]) for mb in micro_batches)
+
+
+def _parts_from(parts: Iterable[Part | str] | None) -> frozenset[Part]:
+    """Validate a ``parts=`` / ``sleep_after=`` argument (``None``: every part)."""
+    if parts is None:
+        return ALL_PARTS
+    out: set[Part] = set()
+    for item in parts:
+        try:
+            out.add(Part(item))
+        except ValueError:
+            raise ValueError(
+                f"parts={item!r} is invalid: use members of ppo_lifecycle.Part "
+                f"({', '.join(p.value for p in Part)})"
+            ) from None
+    if not out:
+        raise ValueError(
+            "parts=() is invalid: pass at least one Part (ALL_PARTS or KEEP_GRADIENTS)"
+        )
+    return frozenset(out)
+
+
 def _refuse_non_finite(model: TrainModel, where: str, values: Mapping[str, float]) -> None:
     """Raise ``FloatingPointError`` naming the first non-finite quantity, BEFORE the
     optimizer step (the accumulated gradients are discarded): a non-finite loss or
@@ -126,17 +158,25 @@ def _refuse_non_finite(model: TrainModel, where: str, values: Mapping[str, float
             )
 
 
+_W = TypeVar("_W", bound="_Lifecycle")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
 class _Lifecycle:
-    """Idempotent sleep/wake_up shared by both workers (models are moved by the backend).
+    """Idempotent sleep/wake_up shared by both workers (models are moved by the backend),
+    and the lifecycle options of their work calls (:func:`lifecycle_options`).
 
     Implements ``ppo_lifecycle.Offloadable``: parts already off the device are skipped,
-    so ``sleep(parts=KEEP_GRADIENTS)`` followed by ``sleep()`` also offloads the
-    gradients; a sleep with nothing left to move is a logged no-op.
+    so ``sleep(parts=KEEP_GRADIENTS)`` followed by ``sleep()`` also puts the gradients to
+    sleep; a sleep with nothing left to move is a logged no-op.
     """
 
     _backend: Backend
     _asleep_parts: frozenset[Part]
     _name: str
+    _role: Role
+    _timeline: Timeline
 
     def _models(self) -> list[tuple[FrozenModel, bool]]:
         """(model, is_the_trained_one)."""
@@ -144,7 +184,7 @@ class _Lifecycle:
 
     @property
     def is_asleep(self) -> bool:
-        """Whether any part of the worker's model memory is offloaded."""
+        """Whether any part of the worker's model memory is off the device."""
         return bool(self._asleep_parts)
 
     @property
@@ -152,19 +192,25 @@ class _Lifecycle:
         """The parts of the trained model currently off the device."""
         return self._asleep_parts
 
+    def mesh(self) -> Mesh:
+        """This rank's place in the group (data / tensor / pipeline parallel), from the
+        backend: the driver splits rows over ``dp_rank`` only."""
+        return self._backend.mesh
+
     def sleep(self, *, parts: Iterable[Part] | None = None) -> None:
-        """Offload ``parts`` (default: all) of the trained model, and all of the frozen
-        reference model. Parts already offloaded are skipped (logged no-op)."""
-        todo = parts_from(parts) - self._asleep_parts
+        """Put ``parts`` (default: all) of the trained model, and all of the frozen
+        reference model, to sleep (off the device). Parts already asleep are skipped
+        (logged no-op)."""
+        todo = _parts_from(parts) - self._asleep_parts
         if not todo:
-            log.info("%s.sleep() while already offloaded: nothing to do", self._name)
+            log.info("%s.sleep() while already asleep: nothing to do", self._name)
             return
         first = not self._asleep_parts
         for model, trained in self._models():
             if trained:
-                model.offload(todo)
+                model.sleep(parts=todo)
             elif first:
-                model.offload(ALL_PARTS)
+                model.sleep(parts=ALL_PARTS)
         if first:
             self._backend.release_process_groups()
         self._asleep_parts = self._asleep_parts | todo
@@ -177,17 +223,80 @@ class _Lifecycle:
             self._backend.restore_process_groups()
             return
         for model, _ in self._models():
-            model.onload()
+            model.wake_up()
         self._backend.restore_process_groups()
         self._asleep_parts = frozenset()
+
+    def last_timeline(self) -> Timeline:
+        """The timeline of the latest call to a method that takes the lifecycle options
+        ``wake_first`` / ``sleep_after`` (recorded whether or not they were passed):
+        ``(label, t0, t1)`` in order, wall-clock ``time.time()`` seconds. Labels: ``"<role>.wake_up"``
+        (with ``wake_first``), the method's name for the work, ``"<role>.sleep(keep_grads)"``
+        / ``"<role>.sleep(all)"`` (with ``sleep_after``), worded as
+        ``str(ppo_lifecycle.Transition(...))``; ``<role>`` is ``actor`` or ``critic``.
+        A call that raised keeps the entries it completed. Other methods leave it alone."""
+        return list(self._timeline)
+
+    def _with_lifecycle(
+        self,
+        label: str,
+        work: Callable[[], _R],
+        *,
+        wake_first: bool,
+        sleep_after: Iterable[Part] | None,
+    ) -> _R:
+        """``wake_up()`` if asked, the work, then ``sleep(parts=sleep_after)`` if asked
+        and the work succeeded; each timed into a fresh timeline."""
+        timeline: Timeline = []
+        self._timeline = timeline
+        parts = None if sleep_after is None else _parts_from(sleep_after)  # before any work
+        if wake_first:
+            t0 = time.time()
+            self.wake_up()
+            timeline.append((str(Transition(self._role, Action.WAKE_UP)), t0, time.time()))
+        t0 = time.time()
+        out = work()
+        timeline.append((label, t0, time.time()))
+        if parts is not None:
+            t0 = time.time()
+            self.sleep(parts=parts)
+            timeline.append((str(Transition(self._role, Action.SLEEP, parts)), t0, time.time()))
+        return out
 
     def _require_awake(self, what: str) -> None:
         if self._asleep_parts:
             raise RuntimeError(
                 f"{self._name}.{what}() called while asleep "
-                f"({sorted(p.value for p in self._asleep_parts)} offloaded): the driver must "
-                "call wake_up() first"
+                f"({sorted(p.value for p in self._asleep_parts)} asleep): the driver must "
+                "call wake_up() first, or pass wake_first=True"
             )
+
+
+def lifecycle_options(
+    method: Callable[Concatenate[_W, _P], _R],
+) -> Callable[Concatenate[_W, _P], _R]:
+    """Give a worker method the keyword-only lifecycle options it declares:
+    ``wake_first: bool = False`` (``wake_up()`` before the work; idempotent) and
+    ``sleep_after: Iterable[Part] | None = None`` (``sleep(parts=sleep_after)`` after the
+    work succeeded; not when it raised). The wrapper consumes both (the method body
+    never sees them) and records the call's timeline (``last_timeline()``)."""
+    declared = inspect.signature(method).parameters
+    for name in ("wake_first", "sleep_after"):
+        if name not in declared or declared[name].kind is not inspect.Parameter.KEYWORD_ONLY:
+            raise TypeError(f"{method.__qualname__} must declare the keyword-only {name!r}")
+
+    @functools.wraps(method)
+    def wrapper(self: _W, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        wake_first = bool(kwargs.pop("wake_first", False))
+        sleep_after = cast("Iterable[Part] | None", kwargs.pop("sleep_after", None))
+        return self._with_lifecycle(
+            method.__name__,
+            partial(method, self, *args, **kwargs),
+            wake_first=wake_first,
+            sleep_after=sleep_after,
+        )
+
+    return wrapper
 
 
 def _save(path: str | os.PathLike[str], rank: int, state: dict[str, Any]) -> None:
@@ -208,11 +317,13 @@ def _load(path: str | os.PathLike[str], rank: int) -> dict[str, Any]:
 
 
 class ActorWorker(_Lifecycle):
-    """The policy on one data-parallel rank.
+    """The policy on one rank.
 
-    One step: any number of ``backward`` calls (chunks), each with the same
+    One step: any number of ``train_chunk`` calls (chunks), each with the same
     ``loss_denominator``, then one ``finish_step``. Gradients accumulate across chunks and
-    stay resident through ``sleep(parts=KEEP_GRADIENTS)``.
+    stay resident through ``sleep(parts=KEEP_GRADIENTS)``. ``compute_logprobs``,
+    ``train_chunk``, ``finish_step`` and ``export_weights`` take the lifecycle options
+    ``wake_first`` / ``sleep_after`` and record ``last_timeline()``.
     """
 
     def __init__(
@@ -228,7 +339,10 @@ class ActorWorker(_Lifecycle):
         self.config = config
         self.rank = rank
         self._name = "ActorWorker"
+        self._role = Role.ACTOR
+        self._timeline = []
         self._asleep_parts: frozenset[Part] = frozenset()
+        self._counters = {"policy_forward": 0, "policy_forward_backward": 0, "reference_forward": 0}
         self._backend = get_backend(config.backend)(
             config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
         )
@@ -259,63 +373,113 @@ class ActorWorker(_Lifecycle):
             "approx_kl": 0.0,
         }
 
+    def counters(self) -> dict[str, int]:
+        """Samples (rows) that went through each pass since construction:
+        ``policy_forward`` (no-grad log-prob forward: ``compute_logprobs``),
+        ``policy_forward_backward`` (``train_chunk``), ``reference_forward``
+        (``compute_ref_logprobs``, or inside ``train_chunk``). Rows of micro-batches
+        skipped for having no valid token are not counted."""
+        return dict(self._counters)
+
+    def _split(self, tensors: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+        return _micro_batches(
+            tensors, size=self.config.micro_batch_size, device=self._backend.device
+        )
+
     # ---- forward passes
 
-    def compute_logprobs(self, batch: Mapping[str, Tensor]) -> Tensor:
-        """Log-probs of the current policy: ``[B, T]`` float32 on the CPU, column 0 = 0."""
+    @lifecycle_options
+    def compute_logprobs(
+        self,
+        batch: Mapping[str, Tensor],
+        *,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
+    ) -> Tensor:
+        """Log-probs of the current policy: ``[B, T]`` float32 on the CPU, column 0 = 0.
+
+        Only needed for several policy epochs over one batch (the old log-probs of every
+        epoch) or diagnostics: ``train_chunk`` without ``old_logprobs`` uses its own
+        forward's."""
         self._require_awake("compute_logprobs")
         _check_batch(batch, ("input_ids", "attention_mask"))
-        mbs = _micro_batches(
-            {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
-            size=self.config.micro_batch_size,
-            device=self._backend.device,
+        mbs = self._split(
+            {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         )
-        return _cpu_cat(self._policy.forward(mbs, fn=_logprobs_fn))
+        out = _cpu_cat(self._policy.forward(mbs, fn=_logprobs_fn))
+        self._counters["policy_forward"] += _rows(mbs)
+        return out
 
     def compute_ref_logprobs(self, batch: Mapping[str, Tensor]) -> Tensor:
         """Log-probs of the frozen reference model (only with ``kl_loss_coef > 0``)."""
         self._require_awake("compute_ref_logprobs")
+        reference = self._require_reference()
+        _check_batch(batch, ("input_ids", "attention_mask"))
+        mbs = self._split(
+            {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        )
+        out = _cpu_cat(reference.forward(mbs, fn=_logprobs_fn))
+        self._counters["reference_forward"] += _rows(mbs)
+        return out
+
+    def _require_reference(self) -> FrozenModel:
         if self._reference is None:
             raise ValueError(
                 f"kl_loss_coef={self.config.kl_loss_coef!r}: no reference model is built; set "
                 "actor.kl_loss_coef > 0 to use the KL loss"
             )
-        _check_batch(batch, ("input_ids", "attention_mask"))
-        mbs = _micro_batches(
-            {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
-            size=self.config.micro_batch_size,
-            device=self._backend.device,
-        )
-        return _cpu_cat(self._reference.forward(mbs, fn=_logprobs_fn))
+        return self._reference
 
     # ---- training
 
-    def backward(
+    @lifecycle_options
+    def train_chunk(
         self,
         batch: Mapping[str, Tensor],
         *,
-        old_logprobs: Tensor,
         advantages: Tensor,
-        ref_logprobs: Tensor | None = None,
         loss_denominator: float,
+        old_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        engine_logprobs: Tensor | None = None,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, float]:
         """Accumulate the gradient of this chunk's share of the step loss (no update).
 
         ``batch`` needs ``input_ids``, ``attention_mask``, ``loss_mask`` (``[B, T]``);
-        ``old_logprobs``, ``advantages`` (and ``ref_logprobs`` when ``kl_loss_coef > 0``)
-        are ``[B, T]`` in the same layout. The loss is divided by ``loss_denominator``:
-        the WHOLE step's valid-token count over all chunks and ranks (``loss_agg="token"``)
-        or its sample count (``"sample"``), see ``loss_denominator()``. A chunk without a
-        valid token adds no gradient. Returns this chunk's metrics.
+        ``advantages`` and the optional log-probs are ``[B, T]`` in the same layout. The
+        loss is divided by ``loss_denominator``: the WHOLE step's valid-token count over
+        all chunks and ranks (``loss_agg="token"``) or its sample count (``"sample"``),
+        see ``loss_denominator()``. A chunk without a valid token adds no gradient (and
+        runs no forward).
+
+        ``old_logprobs=None`` (streaming, one policy epoch): the old log-probs are this
+        forward's own, detached (ratio exactly 1, as slime does), so no separate log-prob
+        forward runs; the gradients are bit-identical to passing ``compute_logprobs(batch)``
+        of the same weights. With ``kl_loss_coef > 0`` and ``ref_logprobs=None`` the
+        reference forward runs here, in the same call. ``engine_logprobs``: the generation
+        engine's log-probs of the sampled tokens; adds
+        ``"rollout/kl_engine_trainer_sum"``, the sum over valid tokens of the k3 estimate
+        ``exp(d) - 1 - d``, ``d = old_logprobs - engine_logprobs`` (float64).
+
+        Returns this chunk's metrics. Sums over the chunk (add them up over chunks and
+        data-parallel ranks): ``actor/valid_tokens``, ``rollout/kl_engine_trainer_sum``
+        and the losses ``loss/pg``, ``loss/kl`` (with ``kl_loss_coef > 0``),
+        ``loss/entropy`` (with ``entropy_coef > 0``): this chunk's share of the step loss,
+        already divided by ``loss_denominator`` (the shares add up to the step's loss).
+        Means over the chunk's valid tokens (weight by ``actor/valid_tokens`` to combine):
+        ``actor/clipfrac``, ``actor/approx_kl``.
         """
-        self._require_awake("backward")
+        self._require_awake("train_chunk")
         cfg = self.config
         _check_batch(
             batch,
             ("input_ids", "attention_mask", "loss_mask"),
-            old_logprobs=old_logprobs,
             advantages=advantages,
+            old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
+            engine_logprobs=engine_logprobs,
         )
         if not (isinstance(loss_denominator, int | float) and loss_denominator > 0):
             raise ValueError(
@@ -329,15 +493,21 @@ class ActorWorker(_Lifecycle):
                 f"loss_denominator={loss_denominator!r} differs from {self._denominator!r} given "
                 "earlier in this step: every chunk of a step must pass the same (whole-step) count"
             )
-        if cfg.use_reference and ref_logprobs is None:
-            raise ValueError(
-                f"ref_logprobs=None with kl_loss_coef={cfg.kl_loss_coef!r}: pass "
-                "compute_ref_logprobs(batch) for the KL loss"
-            )
         mask = batch["loss_mask"].float()
         tokens = float(mask.sum().item())
         samples = float((mask.sum(dim=1) > 0).sum().item())
-        metrics = {"actor/valid_tokens": tokens, "loss/pg": 0.0}
+        metrics = {
+            "actor/valid_tokens": tokens,
+            "loss/pg": 0.0,
+            "actor/clipfrac": 0.0,
+            "actor/approx_kl": 0.0,
+        }
+        if cfg.use_reference:
+            metrics["loss/kl"] = 0.0
+        if cfg.entropy_coef > 0:
+            metrics["loss/entropy"] = 0.0
+        if engine_logprobs is not None:
+            metrics["rollout/kl_engine_trainer_sum"] = 0.0
         self._chunks += 1
         self._sums["rows"] += float(mask.shape[0])
         if tokens == 0:
@@ -346,23 +516,24 @@ class ActorWorker(_Lifecycle):
             "input_ids": batch["input_ids"],
             "attention_mask": batch["attention_mask"],
             "loss_mask": mask,
-            "old_logprobs": old_logprobs.float(),
             "advantages": advantages.float(),
         }
-        if cfg.use_reference:
-            assert ref_logprobs is not None
+        if old_logprobs is not None:
+            tensors["old_logprobs"] = old_logprobs.float()
+        if cfg.use_reference and ref_logprobs is not None:
             tensors["ref_logprobs"] = ref_logprobs.float()
-        mbs = [
-            mb
-            for mb in _micro_batches(
-                tensors, size=cfg.micro_batch_size, device=self._backend.device
-            )
-            if bool(mb["loss_mask"].any())
-        ]
-        denominator = self._denominator
+        if engine_logprobs is not None:
+            tensors["engine_logprobs"] = engine_logprobs.double()
+        mbs = [mb for mb in self._split(tensors) if bool(mb["loss_mask"].any())]
+        if cfg.use_reference and ref_logprobs is None:
+            reference = self._require_reference()
+            for mb, ref in zip(mbs, reference.forward(mbs, fn=_logprobs_fn), strict=True):
+                mb["ref_logprobs"] = ref
+            self._counters["reference_forward"] += _rows(mbs)
         results = self._policy.forward_backward(
-            mbs, loss_fn=partial(self._loss, denominator=denominator)
+            mbs, loss_fn=partial(self._loss, denominator=self._denominator)
         )
+        self._counters["policy_forward_backward"] += _rows(mbs)
         chunk = {k: sum(r[k] for r in results) for k in results[0]}
         self._sums["tokens"] += tokens
         self._sums["samples"] += samples
@@ -371,6 +542,12 @@ class ActorWorker(_Lifecycle):
         metrics["loss/pg"] = chunk["pg"]
         metrics["actor/clipfrac"] = chunk["clipfrac"] / tokens
         metrics["actor/approx_kl"] = chunk["approx_kl"] / tokens
+        if cfg.use_reference:
+            metrics["loss/kl"] = chunk["kl"]
+        if cfg.entropy_coef > 0:
+            metrics["loss/entropy"] = chunk["entropy"]
+        if engine_logprobs is not None:
+            metrics["rollout/kl_engine_trainer_sum"] = chunk["kl_engine"]
         return metrics
 
     def _loss(
@@ -379,9 +556,10 @@ class ActorWorker(_Lifecycle):
         cfg = self.config
         mask = mb["loss_mask"]
         logprobs = _logprobs_fn(logits, mb)
+        old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()
         pl = policy_loss(
             logprobs=logprobs,
-            old_logprobs=mb["old_logprobs"],
+            old_logprobs=old,
             advantages=mb["advantages"],
             mask=mask,
             eps_clip=cfg.eps_clip,
@@ -416,18 +594,34 @@ class ActorWorker(_Lifecycle):
             )
             loss = loss - cfg.entropy_coef * ent_loss
             out["entropy"] = float(ent_loss.item())
+        if "engine_logprobs" in mb:
+            # k3 of d = old - engine: kl_penalty's log_r = ref_logprobs - logprobs
+            k3 = kl_penalty(
+                logprobs=mb["engine_logprobs"],
+                ref_logprobs=old.double(),
+                estimator="k3",
+                mask=mask,
+            )
+            out["kl_engine"] = float(masked_sum(values=k3, mask=mask.double()).item())
         return loss, out
 
-    def finish_step(self, *, loss_denominator: float | None = None) -> dict[str, float]:
+    @lifecycle_options
+    def finish_step(
+        self,
+        *,
+        loss_denominator: float | None = None,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
+    ) -> dict[str, float]:
         """All-reduce (SUM) the accumulated gradients over the data-parallel ranks, clip
         the norm, one optimizer + scheduler step, zero the gradients.
 
         ``loss_denominator``: the true whole-step count when it was not known at the
-        first ``backward`` (streaming with ``loss_agg="token"``: the count is known only
+        first ``train_chunk`` (streaming with ``loss_agg="token"``: the count is known only
         after the last chunk). The chunks then passed any provisional positive value and
         the gradients (and loss metrics) are rescaled by ``provisional / true`` before
         the all-reduce, which is exact because the gradient is linear in the loss scale.
-        ``None``: the denominator given to ``backward`` is final.
+        ``None``: the denominator given to ``train_chunk`` is final.
 
         The final denominator must equal the step's count over all chunks and ranks:
         ``token``: valid tokens; ``sample``: samples (all of them, or only those with a
@@ -440,7 +634,7 @@ class ActorWorker(_Lifecycle):
         ):
             raise ValueError(
                 f"loss_denominator={loss_denominator!r} is invalid: pass the whole step's "
-                "positive count, or None to keep the one given to backward()"
+                "positive count, or None to keep the one given to train_chunk()"
             )
         s = self._sums
         keys = ("tokens", "samples", "rows", "pg", "kl", "entropy", "clipfrac", "approx_kl")
@@ -453,7 +647,7 @@ class ActorWorker(_Lifecycle):
                 "finish_step(): every sample of this step is masked (0 valid tokens over all "
                 "ranks); no update was made. The driver must not train on an all-masked step."
             )
-        assert provisional is not None  # tokens > 0 implies a backward call
+        assert provisional is not None  # tokens > 0 implies a train_chunk call
         final = provisional if loss_denominator is None else float(loss_denominator)
         if self.config.loss_agg == "token":
             allowed, what = [totals["tokens"]], "valid-token count"
@@ -468,14 +662,7 @@ class ActorWorker(_Lifecycle):
             )
         scale = provisional / final
         if scale != 1.0:
-            scaler = getattr(self._policy, "scale_grads", None)
-            if scaler is None:
-                self._policy.zero_grad()
-                raise NotImplementedError(
-                    f"backend={self.config.backend!r} cannot rescale gradients; pass the final "
-                    "loss_denominator to every backward() instead of finish_step()"
-                )
-            scaler(scale)
+            self._policy.scale_grads(scale)
         where = f"ActorWorker.finish_step() (policy update {self.global_step + 1})"
         losses = {"loss/pg": totals["pg"], "loss/kl": totals["kl"]}
         _refuse_non_finite(self._policy, where, {**losses, "loss/entropy": totals["entropy"]})
@@ -506,10 +693,26 @@ class ActorWorker(_Lifecycle):
 
     # ---- weights, checkpoints
 
-    def export_weights(self) -> dict[str, Tensor]:
-        """The policy weights under Hugging Face ``state_dict()`` names, CPU tensors (refit)."""
+    @lifecycle_options
+    def export_weights(
+        self,
+        *,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
+    ) -> dict[str, Tensor] | None:
+        """The policy weights under Hugging Face ``state_dict()`` names, CPU tensors (refit).
+
+        A collective over the whole group: EVERY rank must call it (Megatron gathers the
+        tensor- and pipeline-parallel shards; a rank that does not call it leaves its
+        peers waiting). Returns the state dict on global rank 0 and ``None`` on every
+        other rank, so only one copy is shipped. Only the model-parallel group of rank 0
+        gathers and copies; the other data-parallel shards return at once."""
         self._require_awake("export_weights")
-        return self._policy.export_hf()
+        mesh = self._backend.mesh
+        if mesh.dp_rank != 0:
+            return None
+        weights = self._policy.export_hf()  # collective over rank 0's TP x PP group
+        return weights if mesh.rank == 0 else None
 
     def load_weights(self, state: Mapping[str, Tensor]) -> None:
         """Replace the policy weights by an HF-named state dict (optimizer untouched)."""
@@ -522,7 +725,7 @@ class ActorWorker(_Lifecycle):
         self._require_awake("save_checkpoint")
         if self._chunks:
             raise RuntimeError(
-                "save_checkpoint() in the middle of a step (backward without finish_step); "
+                "save_checkpoint() in the middle of a step (train_chunk without finish_step); "
                 "checkpoints cover whole updates only"
             )
         _save(
@@ -552,7 +755,8 @@ class ActorWorker(_Lifecycle):
 
 
 class CriticWorker(_Lifecycle):
-    """The value model on one data-parallel rank."""
+    """The value model on one rank. ``compute_values`` and ``train`` take the lifecycle
+    options ``wake_first`` / ``sleep_after`` and record ``last_timeline()``."""
 
     def __init__(
         self,
@@ -567,7 +771,10 @@ class CriticWorker(_Lifecycle):
         self.config = config
         self.rank = rank
         self._name = "CriticWorker"
+        self._role = Role.CRITIC
+        self._timeline = []
         self._asleep_parts: frozenset[Part] = frozenset()
+        self._counters = {"value_forward": 0, "value_forward_backward": 0}
         self._backend = get_backend(config.backend)(
             config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
         )
@@ -577,7 +784,20 @@ class CriticWorker(_Lifecycle):
     def _models(self) -> list[tuple[FrozenModel, bool]]:
         return [(self._critic, True)]
 
-    def compute_values(self, batch: Mapping[str, Tensor]) -> Tensor:
+    def counters(self) -> dict[str, int]:
+        """Samples (rows) that went through each pass since construction:
+        ``value_forward`` (``compute_values``), ``value_forward_backward`` (``train``, one
+        count per epoch; rows of micro-batches without a valid token are skipped)."""
+        return dict(self._counters)
+
+    @lifecycle_options
+    def compute_values(
+        self,
+        batch: Mapping[str, Tensor],
+        *,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
+    ) -> Tensor:
         """Values of the current (unchanged) critic: ``[B, T]`` float32 CPU, column 0 = 0.
 
         ``values[:, t]`` is read from the hidden state at ``t - 1`` (the state before
@@ -590,8 +810,11 @@ class CriticWorker(_Lifecycle):
             size=self.config.micro_batch_size,
             device=self._backend.device,
         )
-        return _cpu_cat(self._critic.forward(mbs, fn=_values_fn))
+        out = _cpu_cat(self._critic.forward(mbs, fn=_values_fn))
+        self._counters["value_forward"] += _rows(mbs)
+        return out
 
+    @lifecycle_options
     def train(
         self,
         batch: Mapping[str, Tensor],
@@ -600,6 +823,8 @@ class CriticWorker(_Lifecycle):
         old_values: Tensor,
         epochs: int,
         mini_batch_size: int,
+        wake_first: bool = False,
+        sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, float]:
         """Critic PPO epochs over this rank's shard of the assembled full batch.
 
@@ -623,7 +848,7 @@ class CriticWorker(_Lifecycle):
         if not isinstance(mini_batch_size, int) or mini_batch_size < 1:
             raise ValueError(f"mini_batch_size={mini_batch_size!r} is invalid: use an integer >= 1")
         total_b, total_b2 = self._backend.all_reduce_sum([float(b), float(b * b)])
-        if total_b * total_b != total_b2 * self._backend.dp_size:
+        if total_b * total_b != total_b2 * self._backend.mesh.dp_size:
             raise ValueError(
                 f"critic shards differ in size across data-parallel ranks (this rank: {b}); "
                 "split the full batch evenly over the critic ranks"
@@ -663,6 +888,7 @@ class CriticWorker(_Lifecycle):
                 results = self._critic.forward_backward(
                     mbs, loss_fn=partial(self._loss, denominator=denominator)
                 )
+                self._counters["value_forward_backward"] += _rows(mbs)
                 v_loss, clip = self._backend.all_reduce_sum(
                     [sum(r["v_loss"] for r in results), sum(r["clipfrac"] for r in results)]
                 )
@@ -713,7 +939,9 @@ class CriticWorker(_Lifecycle):
         return self._critic.grads()
 
     def export_weights(self) -> dict[str, Tensor]:
-        """The critic weights under Hugging Face names (``model.*``, ``score.*``), CPU tensors."""
+        """The critic weights under Hugging Face names (``model.*``, ``score.*``), CPU tensors,
+        on every rank that calls it. With tensor / pipeline parallelism a collective: every
+        rank of a model-parallel group must call it."""
         self._require_awake("export_weights")
         return self._critic.export_hf()
 

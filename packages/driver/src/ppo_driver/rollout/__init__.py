@@ -20,6 +20,7 @@ from ._refit import (
 from ._sampling import draw_tokens, generate_group, generate_rows, sample_seed
 from ._sglang import SglangEngine, parse_sglang_output
 from ._task import (
+    TASK_ALPHABET,
     PromptDataset,
     RewardError,
     RewardFailure,
@@ -45,6 +46,7 @@ from ._types import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "TASK_ALPHABET",
     "CharTokenizer",
     "EmbeddedEngine",
     "EngineHealth",

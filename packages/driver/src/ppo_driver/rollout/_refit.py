@@ -285,6 +285,13 @@ def sender_close(_worker: Any, *, group_name: str) -> None:
     _SENDERS.pop(group_name, None)
 
 
+def peer_export(worker: Any) -> None:
+    """A non-source rank's part of the export collective (Megatron gathers the HF
+    weights over its tensor/pipeline ranks): every rank of the actor group exports,
+    only rank 0 sends."""
+    worker.export_weights()
+
+
 def sender_save(worker: Any, *, path: str, version: int) -> str:
     """Write ``worker.export_weights()`` to a safetensors directory."""
     return save_weights_to_disk(worker.export_weights(), path, version=version)
@@ -331,6 +338,10 @@ class WeightRefitter:
     """Pushes the actor's weights (rank 0, a Ray actor with ``export_weights()``) to
     every engine (Ray actors implementing :class:`RolloutEngine`).
 
+    The export is a collective over the actor group: ``peers`` (the group's other
+    ranks) run their part of it (:func:`peer_export`) alongside rank 0, which alone
+    sends.
+
     ``refit(version=...)`` re-creates the group first when an engine was restarted
     since ``setup()`` (its incarnation changed), so a dead engine never wedges a refit.
 
@@ -349,6 +360,7 @@ class WeightRefitter:
         *,
         actor: Any,
         engines: Sequence[Any],
+        peers: Sequence[Any] = (),
         backend: str = "gloo",
         master_addr: str = "127.0.0.1",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -363,6 +375,7 @@ class WeightRefitter:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes}: use a positive byte count")
         self.actor = actor
+        self.peers = list(peers)
         self.engines = list(engines)
         self.backend = backend
         self.master_addr = master_addr
@@ -447,15 +460,20 @@ class WeightRefitter:
             bucket_bytes=self.bucket_bytes,
             keep_as=None if self.snapshot_dir is not None else self.group_name,
         )
+        joins = [p.__ray_call__.remote(peer_export) for p in self.peers]
         stats, *versions = ray.get([send, *receives])
+        ray.get(joins)
         if any(v != version for v in versions):
             raise RuntimeError(f"refit to version {version}: engines report {versions}")
         self.last_version, self._last_path = version, None
         if self.snapshot_dir is not None:
             ray.get(
-                self.actor.__ray_call__.remote(
-                    sender_save, path=str(self.snapshot_dir), version=version
-                )
+                [
+                    self.actor.__ray_call__.remote(
+                        sender_save, path=str(self.snapshot_dir), version=version
+                    ),
+                    *[p.__ray_call__.remote(peer_export) for p in self.peers],
+                ]
             )
             self._last_path = self.snapshot_dir
         return RefitStats(
@@ -472,7 +490,12 @@ class WeightRefitter:
         import ray
 
         start = time.perf_counter()
-        ray.get(self.actor.__ray_call__.remote(sender_save, path=str(path), version=version))
+        ray.get(
+            [
+                self.actor.__ray_call__.remote(sender_save, path=str(path), version=version),
+                *[p.__ray_call__.remote(peer_export) for p in self.peers],
+            ]
+        )
         versions = ray.get(
             [e.update_weights_from_disk.remote(str(path), version=version) for e in self.engines]
         )
@@ -481,9 +504,12 @@ class WeightRefitter:
         self.last_version, self._last_path = version, Path(path)
         if self.snapshot_dir is not None and Path(path) != self.snapshot_dir:
             ray.get(
-                self.actor.__ray_call__.remote(
-                    sender_save, path=str(self.snapshot_dir), version=version
-                )
+                [
+                    self.actor.__ray_call__.remote(
+                        sender_save, path=str(self.snapshot_dir), version=version
+                    ),
+                    *[p.__ray_call__.remote(peer_export) for p in self.peers],
+                ]
             )
             self._last_path = self.snapshot_dir
         size = (Path(path) / "model.safetensors").stat().st_size

@@ -35,6 +35,9 @@ RewardFn = Callable[..., float | Awaitable[float]]
 or async, returning a real number: an int or a float (not a bool), finite."""
 
 TASK_LETTERS = "abcdefgh"
+TASK_ALPHABET = TASK_LETTERS + "0123456789:"
+"""Every character of the built-in task's prompts and answers (its character tokenizer's
+alphabet)."""
 
 
 def repeat_reward(*, response: str, record: Mapping[str, Any], finish_reason: str) -> float:

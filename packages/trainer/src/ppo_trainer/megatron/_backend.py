@@ -32,18 +32,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ppo_lifecycle import OffloadManager
+from ppo_lifecycle import OffloadManager, Part
 from torch import nn
 
 from ppo_trainer._backend import (
     Batch,
     ForwardFn,
     LossFn,
+    Mesh,
     lr_multiplier,
     sum_floats_over_ranks,
 )
 from ppo_trainer._config import ActorConfig, CriticConfig
-from ppo_trainer._parts import Part
 from ppo_trainer._torch_backend import (
     build_causal_lm,
     build_value_model,
@@ -490,11 +490,11 @@ class MegatronFrozenModel:
     def _after_load(self) -> None:
         """Hook: the train model refreshes the optimizer's main parameters."""
 
-    # -- offload ------------------------------------------------------------------------
-    def offload(self, parts: frozenset[Part]) -> None:
+    # -- sleep / wake_up ----------------------------------------------------------------
+    def sleep(self, *, parts: frozenset[Part]) -> None:
         self.lifecycle.sleep(parts=parts)
 
-    def onload(self) -> None:
+    def wake_up(self) -> None:
         self.lifecycle.wake_up()
 
 
@@ -686,7 +686,7 @@ class MegatronTrainModel(MegatronFrozenModel):
                     p.copy_(saved["main_params"][str(i)].to(dtype=p.dtype, device=p.device))
         self._steps = int(state["scheduler"]["step"])
 
-    # -- offload --------------------------------------------------------------------------
+    # -- sleep / wake_up ------------------------------------------------------------------
     def _optimizer_state(self) -> list[torch.Tensor]:
         return [
             v
@@ -750,8 +750,16 @@ class MegatronBackend:
                 device=self.device,
             )
             _init_model_parallel(self.opts, world_size=world_size, seed=seed)
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
+        self.mesh = Mesh(
+            rank,
+            world_size,
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+        )
 
     # -- models -------------------------------------------------------------------------
     def _build(
@@ -823,7 +831,10 @@ class MegatronBackend:
     # -- collectives ----------------------------------------------------------------------
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         return sum_floats_over_ranks(
-            values, dp_size=self.dp_size, device=self.device, group=ps.get_data_parallel_group()
+            values,
+            dp_size=self.mesh.dp_size,
+            device=self.device,
+            group=ps.get_data_parallel_group(),
         )
 
     def release_process_groups(self) -> None:

@@ -79,7 +79,7 @@ def parse_options(options: Mapping[str, Any], *, role: str) -> MegatronOptions:
             f"{p}.use_megatron_fsdp",
             True,
             "Megatron FSDP shards parameters and gradients together, so the actor cannot keep "
-            "its gradients resident while its parameters are offloaded between chunks",
+            "its gradients resident while its parameters sleep between chunks",
             f"set {p}.use_megatron_fsdp=false (classic Megatron DDP)",
         )
     fp8_param = bool(options.get("fp8_param", False))
@@ -91,7 +91,7 @@ def parse_options(options: Mapping[str, Any], *, role: str) -> MegatronOptions:
             True,
             f"with MXFP8 parameters ({p}.fp8_param=true, {p}.fp8_recipe='mxfp8') the "
             "distributed optimizer reuses the gradient buffer for the parameter all-gather, "
-            "so gradients cannot stay resident while parameters are offloaded",
+            "so gradients cannot stay resident while the parameters sleep",
             f"set {p}.optimizer.use_distributed_optimizer=false or {p}.fp8_param=false",
         )
     sizes: dict[str, int] = {}
