@@ -168,12 +168,13 @@ def run(args: Args, on_step: Any = None) -> list[dict[str, float]]:
                     break
                 out = policy(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
                 cache, logits = out.past_key_values, out.logits[:, -1]
-        rewards_s = torch.zeros(B)
+        rewards_s, stopped_s = torch.zeros(B), torch.zeros(B)
         for b in range(B):
             ids = tokens[b, : int(length[b])].tolist()
             stopped = ids[-1] == tok.eos_id
             text = tok.decode(ids[:-1] if stopped else ids)
             finish = "stop" if stopped else "length"
+            stopped_s[b] = float(stopped)
             rewards_s[b] = repeat_reward(response=text, record=rows[b], finish_reason=finish)
 
         # ---- [B, T] tensors, shifted layout: position t is about token t
@@ -258,6 +259,7 @@ def run(args: Args, on_step: Any = None) -> list[dict[str, float]]:
             "step": step,
             "rollout/reward_mean": float(rewards_s.mean()),
             "rollout/response_len_mean": float(mask.sum(1).mean()),
+            "rollout/stop_frac": float(stopped_s.mean()),
             "actor/grad_norm": float(grad_norm),
             "loss/value": c_loss.item(),
             "wall_s": time.perf_counter() - start,
@@ -279,7 +281,9 @@ def main() -> None:
         elif f.name == "value_clip":
             parser.add_argument("--value-clip", type=_maybe_float, default=default)
         else:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}", type=type(default), default=default
+            )
     run(Args(**vars(parser.parse_args())))
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from ppo_driver.cli import main
-from ppo_driver.config import ConfigError, load_config
+from ppo_driver.config import ConfigError, DriverConfig, load_config, trainer_configs
 
 
 def test_default_config_is_valid_and_streams() -> None:
@@ -53,32 +53,9 @@ FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: 
         ),
         pytest.param(
             ["cluster.rollout_gpus=0"],
-            "cluster.colocate",
-            "own devices",
+            "cluster.rollout_gpus",
+            "generation runs locally",
             id="streaming-no-rollout-gpus",
-        ),
-        pytest.param(
-            ["policy.megatron_cfg.use_megatron_fsdp=true"],
-            "policy.megatron_cfg.use_megatron_fsdp",
-            "classic",
-            id="megatron-fsdp",
-        ),
-        pytest.param(
-            [FULL, "critic.megatron_cfg.use_megatron_fsdp=true"],
-            "critic.megatron_cfg.use_megatron_fsdp",
-            "classic",
-            id="megatron-fsdp-critic-full-batch",
-        ),
-        pytest.param(
-            [
-                "policy.megatron_cfg.fp8_param=true",
-                "policy.megatron_cfg.fp8_recipe=mxfp8",
-                "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
-                "policy.megatron_cfg.optimizer.overlap_param_gather=false",
-            ],
-            "policy.megatron_cfg.optimizer.use_distributed_optimizer",
-            "MXFP8",
-            id="mxfp8-distributed-optimizer",
         ),
         pytest.param(["ppo.kl_coef=0.05"], "ppo.kl_coef", "kl_loss_coef", id="reward-level-kl"),
         pytest.param(
@@ -96,7 +73,7 @@ FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: 
         pytest.param(
             ["async_rl.min_groups_for_streaming_train=17"],
             "async_rl.min_groups_for_streaming_train",
-            "exceeds the batch",
+            "exceeds ppo.num_prompts_per_step",
             id="minimum-above-batch",
         ),
         pytest.param(
@@ -108,7 +85,7 @@ FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: 
         pytest.param(
             ["ppo.critic_ppo_epochs=two"], "ppo.critic_ppo_epochs", "int", id="wrong-type"
         ),
-        pytest.param(["ppo.loss_agg=mean"], "ppo.loss_agg", "token or sample", id="loss-agg"),
+        pytest.param(["ppo.loss_agg=mean"], "ppo.loss_agg", "'token', 'sample'", id="loss-agg"),
         pytest.param(["oops"], "oops", "section.key=value", id="bad-override"),
     ],
 )
@@ -165,3 +142,91 @@ def test_minimum_that_can_split_or_full_batch_does_not_warn(minimum: int) -> Non
 def test_train_refuses_invalid_config_at_start(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "ppo.ppo_epochs=2"]) == 1
     assert "refusing to start" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def _mesh(*, gpus: int, tp: int = 1, pp: int = 1, megatron: bool = True) -> DriverConfig:
+    cfg = DriverConfig()
+    cfg.cluster.actor_gpus = gpus
+    for m in (cfg.policy, cfg.critic):
+        m.megatron_cfg.enabled = megatron
+        m.megatron_cfg.tensor_model_parallel_size = tp
+        m.megatron_cfg.pipeline_model_parallel_size = pp
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("gpus", "tp", "pp", "megatron", "dp"),
+    [
+        pytest.param(4, 1, 1, True, 4, id="dp4"),
+        pytest.param(4, 2, 1, True, 2, id="tp2"),
+        pytest.param(8, 2, 2, True, 2, id="tp2-pp2"),
+        pytest.param(4, 4, 1, True, 1, id="tp4"),
+        pytest.param(4, 2, 2, False, 4, id="torch-ignores-megatron-sizes"),
+    ],
+)
+def test_dp_size_is_gpus_over_model_parallel(
+    gpus: int, tp: int, pp: int, megatron: bool, dp: int
+) -> None:
+    cfg = _mesh(gpus=gpus, tp=tp, pp=pp, megatron=megatron)
+    assert cfg.dp_size("policy") == cfg.dp_size("actor") == cfg.dp_size("critic") == dp
+    assert cfg.model_parallel_sizes("policy") == ((tp, pp) if megatron else (1, 1))
+
+
+def test_dp_size_refuses_a_mesh_the_gpus_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2"):
+        _mesh(gpus=3, tp=2).dp_size("critic")
+
+
+def test_group_alignment_uses_each_models_data_parallel_size() -> None:
+    # 4 GPUs, TP=2: two data-parallel ranks per model. One generation per prompt: a
+    # chunk must split over 2 ranks, not over the 4 GPUs.
+    cfg = _mesh(gpus=4, tp=2)
+    cfg.ppo.num_generations_per_prompt = 1
+    assert cfg.group_alignment == 2
+    cfg.policy.train_micro_batch_size = 3  # 2 ranks x 3 samples
+    assert cfg.group_alignment == 6
+
+
+def test_alignment_problem_names_the_data_parallel_sizes() -> None:
+    _, report = load_config(
+        None,
+        [
+            "policy.megatron_cfg.enabled=true",
+            "critic.megatron_cfg.enabled=true",
+            "cluster.actor_gpus=4",
+            "policy.megatron_cfg.tensor_model_parallel_size=2",
+            "critic.megatron_cfg.tensor_model_parallel_size=2",
+            "ppo.num_generations_per_prompt=1",
+            "ppo.num_prompts_per_step=6",  # aligned for dp 2, not for the 4 GPUs
+            "async_rl.min_groups_for_streaming_train=2",
+        ],
+        check=False,
+    )
+    keys = [p.key for p in report.errors]
+    assert "ppo.num_prompts_per_step" not in keys, report.errors
+    _, report = load_config(
+        None,
+        [
+            "cluster.actor_gpus=4",
+            "ppo.num_generations_per_prompt=1",
+            "ppo.num_prompts_per_step=6",
+            "async_rl.min_groups_for_streaming_train=2",
+        ],
+        check=False,
+    )
+    [problem] = [p for p in report.errors if p.key == "ppo.num_prompts_per_step"]
+    assert "policy 4, critic 4" in problem.message and "multiple of 4" in problem.fix
+
+
+def test_trainer_configs_default_micro_batch_is_one_data_parallel_ranks_share() -> None:
+    cfg = _mesh(gpus=4, tp=2)  # 16 prompts x 4 generations over 2 data-parallel ranks
+    actor, critic = trainer_configs(cfg, vocab_size=20)
+    assert actor.micro_batch_size == critic.micro_batch_size == 32
+    assert actor.backend == critic.backend == "megatron"
+    assert actor.model.seed + 1 == critic.model.seed
+    cfg.critic.train_micro_batch_size = 0  # refused by the trainer, not read as "null"
+    with pytest.raises(ValueError, match=r"critic\.micro_batch_size=0"):
+        trainer_configs(cfg, vocab_size=20)

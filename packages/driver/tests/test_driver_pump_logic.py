@@ -132,22 +132,22 @@ def test_rows_split_over_data_parallel_ranks_only() -> None:
     with pytest.raises(ValueError, match="do not split over 3 data-parallel ranks"):
         shard_rows(8, 3)
 
-    def mesh(rank: int, dp_rank: int, dp_size: int = 2) -> Mesh:
-        tp = 4 // dp_size
+    def mesh(rank: int, *, dp_rank: int, tp: int = 1, pp: int = 1) -> Mesh:
         return Mesh(
-            rank=rank, world_size=4, dp_rank=dp_rank, dp_size=dp_size, tp_size=tp, pp_size=1
-        )
+            rank=rank, world_size=4, dp_rank=dp_rank, dp_size=4 // (tp * pp), tp_size=tp,
+            pp_size=pp, tp_rank=rank % tp, pp_rank=rank // (4 // pp),
+        )  # fmt: skip
 
     # 4 ranks, TP=2 (megatron's order: tensor ranks adjacent): dp rank 0 = ranks 0, 1
-    dp_of, leaders = data_parallel_layout([mesh(r, r // 2) for r in range(4)])
+    dp_of, leaders = data_parallel_layout([mesh(r, dp_rank=r // 2, tp=2) for r in range(4)])
     assert dp_of == [0, 0, 1, 1] and leaders == [0, 2]
     # PP=2 with DP=2 (pipeline stages outermost): dp rank = rank % 2
-    dp_of, leaders = data_parallel_layout([mesh(r, r % 2) for r in range(4)])
+    dp_of, leaders = data_parallel_layout([mesh(r, dp_rank=r % 2, pp=2) for r in range(4)])
     assert dp_of == [0, 1, 0, 1] and leaders == [0, 1]
     with pytest.raises(ValueError, match="different data-parallel sizes"):
-        data_parallel_layout([mesh(0, 0), mesh(1, 0, dp_size=1)])
+        data_parallel_layout([mesh(0, dp_rank=0, tp=2), mesh(1, dp_rank=0, tp=4)])
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of 2 have no member"):
-        data_parallel_layout([mesh(r, 0) for r in range(4)])
+        data_parallel_layout([mesh(r, dp_rank=0, tp=2) for r in range(4)])
     got = GroupResult(values=[torch.tensor([1.0]), torch.tensor([2.0])])
     assert got.tensor().tolist() == [1.0, 2.0]
 
@@ -157,7 +157,9 @@ class _EchoWorker:
         self.rank = rank
 
     def mesh(self) -> Mesh:
-        return Mesh(rank=self.rank, world_size=1, dp_rank=0, dp_size=1, tp_size=1, pp_size=1)
+        return Mesh(
+            rank=0, world_size=1, dp_rank=0, dp_size=1, tp_size=1, pp_size=1, tp_rank=0, pp_rank=0
+        )
 
     def double(self, rows: dict[str, torch.Tensor], *, scale: torch.Tensor) -> torch.Tensor:
         return rows["x"] * 2 * scale

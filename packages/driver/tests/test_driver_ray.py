@@ -114,6 +114,11 @@ def test_streaming_chunks_counters_and_outputs(
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["train/chunks"] for r in rows] == [closing[0], closing[1], closing[2]]
+    # one policy epoch: the old log-probs are the training forward's own, so the actor
+    # runs ONE forward per sample (plus its backward), not a separate log-prob forward
+    assert [r["train/actor_forwards_per_sample"] for r in rows] == [1.0, 1.0, 1.0]
+    # per-chunk numbers are kept, one entry per chunk
+    assert all(len(r["chunk/pg"]) == r["train/chunks"] for r in rows)
     trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     phases = {e["cat"] for e in trace if e.get("ph") == "X"}
     assert {
@@ -234,6 +239,9 @@ def test_full_batch_epochs_critic_warmup_kl_loss_and_colocated_generation(tmp_pa
     assert warm["weight_version"] == 0 and "actor/step" not in warm  # warm-up: critic only
     assert trained["weight_version"] == 1 and trained["actor/step"] == 2.0  # two epochs
     assert "loss/kl" in trained
+    # several policy epochs: one log-prob forward for the old policy, then one
+    # forward (+ backward) per epoch
+    assert trained["train/actor_forwards_per_sample"] == 1.0 + 2
     assert [r["train/chunks"] for r in result.metrics] == [1, 1]
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     refit = [e for e in trace if e.get("cat") == "refit"]

@@ -98,6 +98,7 @@ class Case:
     words: str  # from the package's own message (or the driver's, for set-up rules)
     refuse: Callable[[], object] | None  # the package refusing it directly (None: set-up)
     megatron: bool = False  # the row needs the megatron extra (the option parser)
+    no_te: bool = False  # the row holds where Transformer Engine + CUDA are missing
 
 
 def _parse(options: dict[str, Any], role: str = "policy") -> object:
@@ -112,7 +113,10 @@ def _streaming_colocated() -> None:
     )
 
 
-BATCH = {"num_prompts_per_step": 16, "min_groups_for_streaming_train": 4}
+def _sampler(**settings: Any) -> SamplerConfig:
+    return SamplerConfig(num_prompts_per_step=16, min_groups_for_streaming_train=4, **settings)
+
+
 MXFP8 = ["policy.megatron_cfg.fp8_param=true", "policy.megatron_cfg.fp8_recipe=mxfp8"]
 
 AGREEMENT = [
@@ -357,21 +361,21 @@ AGREEMENT = [
         ("async_rl.sampler.name=fifo",),
         "async_rl.sampler.name",
         "'in_order', 'ready_first'",
-        lambda: SamplerConfig(**BATCH, name="fifo"),
+        lambda: _sampler(name="fifo"),
     ),
     Case(
         "SamplerConfig.max_lookahead_versions",
         ("async_rl.sampler.max_lookahead_versions=-1",),
         "async_rl.sampler.max_lookahead_versions",
         "int >= 0",
-        lambda: SamplerConfig(**BATCH, max_lookahead_versions=-1),
+        lambda: _sampler(max_lookahead_versions=-1),
     ),
     Case(
         "SamplerConfig.max_staleness_versions",
         ("async_rl.sampler.max_staleness_versions=-2",),
         "async_rl.sampler.max_staleness_versions",
         "int >= 0",
-        lambda: SamplerConfig(**BATCH, max_staleness_versions=-2),
+        lambda: _sampler(max_staleness_versions=-2),
     ),
     # A non-bool never gets past the YAML coercion (it names the key the same way).
     Case(
@@ -379,8 +383,8 @@ AGREEMENT = [
         ("async_rl.sampler.evict_stale=3",),
         "async_rl.sampler.evict_stale",
         "expected bool",
-        lambda: SamplerConfig(**BATCH, evict_stale=3),
-    ),  # type: ignore[arg-type]
+        lambda: _sampler(evict_stale=3),
+    ),
     # --- ppo_placement ----------------------------------------------------------------------
     Case(
         "placement_layout.actor_gpus",
@@ -535,6 +539,7 @@ AGREEMENT = [
         "ppo-trainer[te]",
         None,
         megatron=True,
+        no_te=True,
     ),
     Case(
         "MegatronOptions.fp8_param",
@@ -543,6 +548,7 @@ AGREEMENT = [
         "Transformer Engine",
         None,
         megatron=True,
+        no_te=True,
     ),
     # With Transformer Engine present too: the local layer spec cannot hold FP8 parameters.
     Case(
@@ -594,6 +600,8 @@ def _agreement_params() -> list[Any]:
     out = []
     for case in AGREEMENT:
         marks = [needs_megatron] if case.megatron else []
+        if case.no_te:
+            marks.append(pytest.mark.skipif(_te_available(), reason="TE and CUDA are here"))
         name = case.field.split(".")[-1]
         out.append(pytest.param(case, marks=marks, id=f"{case.key}:{name}:{case.overrides[-1]}"))
     return out
@@ -835,8 +843,16 @@ def test_many_problems_all_reported_at_once(tmp_path: Path, reward_module: str) 
         f"rollout.reward={REWARDS}:missing",
         "rollout.reward_timeout_s=-1",
         "rollout.max_consecutive_group_failures=0",
+        "ppo.kl_estimator=k9",
+        "ppo.loss_agg=mean",
+        "policy.hidden_size=66",
+        "critic.num_key_value_heads=3",
+        "async_rl.sampler.name=fifo",
+        "async_rl.sampler.max_staleness_versions=-1",
+        "cluster.rollout_gpus=-1",
         *MEGATRON,
-        "policy.megatron_cfg.tensor_model_parallel_size=2",
+        "cluster.actor_gpus=2",
+        "policy.megatron_cfg.tensor_model_parallel_size=2",  # the critic's differs
         # minimum above the batch AND an unaligned batch (micro-batch 8: alignment 2)
         "ppo.num_prompts_per_step=15",
         "async_rl.min_groups_for_streaming_train=17",
@@ -846,8 +862,11 @@ def test_many_problems_all_reported_at_once(tmp_path: Path, reward_module: str) 
     expected = {o.partition("=")[0] for o in overrides} - {
         "policy.megatron_cfg.enabled",
         "critic.megatron_cfg.enabled",
+        "cluster.actor_gpus",
+        "policy.megatron_cfg.tensor_model_parallel_size",
         "policy.train_micro_batch_size",
     }
+    expected.add("critic.megatron_cfg.tensor_model_parallel_size")
     assert expected <= keys, sorted(expected - keys)
 
 
@@ -1004,10 +1023,32 @@ def test_fp8_params_need_transformer_engine() -> None:
     assert problems and "Transformer Engine" in str(problems[0])
 
 
+@needs_megatron
 def test_fp8_recipe_without_fp8_params_warns() -> None:
-    _, report = load_config(None, ["policy.megatron_cfg.fp8_recipe=delayed"])
-    assert report.ok
+    _, report = load_config(None, [*MEGATRON, "policy.megatron_cfg.fp8_recipe=delayed"])
+    assert report.ok, report.errors
     assert [w.key for w in report.warnings] == ["policy.megatron_cfg.fp8_recipe"]
+    assert "fp8_param is false" in str(report.warnings[0])
+
+
+def test_megatron_settings_of_a_torch_model_warn() -> None:
+    # With megatron_cfg.enabled=false the trainer never sees the section: nothing in it
+    # is refused (the trainer would not), each changed setting is a warning.
+    _, report = load_config(
+        None,
+        [
+            "policy.megatron_cfg.use_megatron_fsdp=true",
+            "critic.megatron_cfg.transformer_impl=local",
+            "critic.megatron_cfg.optimizer.overlap_param_gather=true",
+        ],
+    )
+    assert report.ok, report.errors
+    assert [w.key for w in report.warnings] == [
+        "policy.megatron_cfg.use_megatron_fsdp",
+        "critic.megatron_cfg.transformer_impl",
+        "critic.megatron_cfg.optimizer.overlap_param_gather",
+    ]
+    assert all("enabled is false" in str(w) for w in report.warnings)
 
 
 # --------------------------------------------------------------------------- config files

@@ -354,3 +354,29 @@ def test_failed_wake_up_is_retried_from_the_spill(monkeypatch: pytest.MonkeyPatc
     manager.wake_up()
     assert not manager.is_asleep and backend.host_bytes() == 0
     assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_release_goes_to_the_os_on_cpu_and_to_the_device_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import contextlib
+
+    from ppo_lifecycle import _backends
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(_backends, "_malloc_trim", lambda: lambda pad: calls.append("trim"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    _backends.release_device_memory(torch.device("cpu"))
+    assert calls == ["trim"]  # CPU runs never touch CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    _backends.release_device_memory(torch.device("cuda", 0))
+    assert calls == ["trim"]  # no CUDA context made just to empty a cache
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    _backends.release_device_memory(torch.device("cuda", 0))
+    assert calls == ["trim", "empty_cache"]
+    # And a sleep releases after moving: the host-copy backend calls it once per part.
+    calls.clear()
+    model, opt = _trained()
+    OffloadManager(model, opt).sleep(parts={Part.OPTIMIZER, Part.PARAMETERS})
+    assert calls == ["trim", "trim"]

@@ -12,7 +12,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+from typing import IO
 
 import pytest
 import torch
@@ -151,39 +154,55 @@ def test_another_process_can_allocate_what_a_sleeping_worker_freed(backend: str)
     """The actor process sleeps; this process (the critic) then allocates what it freed."""
     if backend == "torch_memory_saver":
         pytest.importorskip("torch_memory_saver")
-    torch.cuda.init()
     torch.cuda.mem_get_info(0)  # this process's context exists before measuring
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CUDA_CHILD, backend],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        line = child.stdout.readline().split()
-        assert line[:1] == ["ready"], child.stderr.read() if child.stderr else line
-        slept = int(line[1])
-        free_awake, _ = torch.cuda.mem_get_info(0)
-        child.stdin.write("sleep\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "asleep"
-        free_asleep, _ = torch.cuda.mem_get_info(0)
-        assert free_asleep - free_awake >= CUDA_RELEASED * slept
-        # The critic takes what the actor gave back, leaving what was free before.
-        taken = torch.empty(int(CUDA_RELEASED * slept), dtype=torch.uint8, device="cuda:0")
-        free_taken, _ = torch.cuda.mem_get_info(0)
-        assert free_taken >= free_awake - 64 * 2**20  # allocator rounding, one segment
-        del taken
-        torch.cuda.empty_cache()
-        child.stdin.write("wake\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "ok"
-        free_woken, _ = torch.cuda.mem_get_info(0)
-        assert free_asleep - free_woken >= CUDA_RELEASED * slept
-        assert child.wait(timeout=120) == 0
-    finally:
-        if child.poll() is None:
-            child.kill()
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CUDA_CHILD, backend],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        watchdog = threading.Timer(300, child.kill)  # a stuck child ends the reads
+        watchdog.start()
+        try:
+            _cross_process_check(child, errors)
+        finally:
+            watchdog.cancel()
+            if child.poll() is None:
+                child.kill()
             child.wait()
+
+
+def _cross_process_check(child: subprocess.Popen[str], errors: IO[str]) -> None:
+    assert child.stdin is not None and child.stdout is not None
+
+    def expect(word: str) -> list[str]:
+        line = child.stdout.readline().split() if child.stdout else []
+        if line[:1] != [word]:
+            errors.seek(0)
+            pytest.fail(f"child said {line}, expected {word!r}; stderr:\n{errors.read()}")
+        return line
+
+    def tell(word: str) -> None:
+        assert child.stdin is not None
+        child.stdin.write(word + "\n")
+        child.stdin.flush()
+
+    slept = int(expect("ready")[1])
+    free_awake, _ = torch.cuda.mem_get_info(0)
+    tell("sleep")
+    expect("asleep")
+    free_asleep, _ = torch.cuda.mem_get_info(0)
+    assert free_asleep - free_awake >= CUDA_RELEASED * slept
+    # The critic takes what the actor gave back, leaving what was free before.
+    taken = torch.empty(int(CUDA_RELEASED * slept), dtype=torch.uint8, device="cuda:0")
+    free_taken, _ = torch.cuda.mem_get_info(0)
+    assert free_taken >= free_awake - 64 * 2**20  # allocator rounding
+    del taken
+    torch.cuda.empty_cache()
+    tell("wake")
+    expect("ok")  # bit-exact after the wake-up
+    free_woken, _ = torch.cuda.mem_get_info(0)
+    assert free_asleep - free_woken >= CUDA_RELEASED * slept
+    assert child.wait(timeout=120) == 0

@@ -131,12 +131,13 @@ def test_state_dict_round_trip_and_validation() -> None:
     assert q.before(W, V) == p.before(W, V)
     q.load_state_dict({"resident": "actor", "pending_gradients": False, "switches": 3})
     assert q.resident is A and q.switches == 3
-    for bad, match in [
+    bad_states: list[tuple[dict[str, object], str]] = [
         ({"resident": "critic"}, "keys"),
         ({"resident": "judge", "pending_gradients": False, "switches": 0}, "not a Role"),
         ({"resident": None, "pending_gradients": 1, "switches": 0}, "not a bool"),
         ({"resident": None, "pending_gradients": False, "switches": -1}, "not an int"),
-    ]:
+    ]
+    for bad, match in bad_states:
         with pytest.raises(ValueError, match=match):
             q.load_state_dict(bad)
     assert q.resident is A  # unchanged

@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in report.warnings:
         print(warning, file=sys.stderr)
     if args.command == "validate":
-        # validate() has imported ppo_driver.run already (it checks the trainer configs)
+        # validate() itself does not load ppo_driver.run (Ray); the crash-drill variable
+        # it checks here lives there
         from ppo_driver.run import FAIL_ENV, StartupError, parse_fail_at
 
         try:

@@ -919,13 +919,15 @@ def _build_typed(
     fallback: Mapping[str, Any],
     section: str,
     fixes: Mapping[str, str] | None = None,
+    rename: tuple[str, str] = ("", ""),
 ) -> T | None:
     """``build(**kwargs)`` (a package's typed config), each refused field reported
     under its YAML key.
 
     ``keys`` maps the key the package names in its ``ValueError`` to ``(keyword
     argument, YAML key)``; a key it does not list (one YAML cannot set: a mapping bug)
-    is reported as ``<section>.<name>``. A package raises on its first problem: that
+    is reported as ``<section>.<name>``. ``rename`` rewrites the package's prefix in its
+    messages (``model.`` -> ``policy.``). A package raises on its first problem: that
     argument is reset to the accepted ``fallback`` value and the build retried, so that
     every refused field shows at once. Returns the object built in the end (refused
     fields replaced by their fallback, so later checks judge the rest), or None when it
@@ -938,6 +940,8 @@ def _build_typed(
             return build(**current)
         except ValueError as exc:
             text = " ".join(str(exc).split())
+            if rename[0]:
+                text = text.replace(*rename)
             match = _PACKAGE_KEY.match(text)
             name = match.group(1) if match else ""
             arg, key = keys.get(name, ("", ""))
@@ -1022,9 +1026,10 @@ def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
             who="ppo_trainer.ModelSpec",
             build=ModelSpec,
             kwargs=_model_spec_kwargs(cfg.model(role), vocab_size=vocab, seed=_seed(cfg, role)),
-            keys={f"model.{name}": (name, f"{section}.{name}") for name in _MODEL_FIELDS},
+            keys={f"{section}.{name}": (name, f"{section}.{name}") for name in _MODEL_FIELDS},
             fallback=ok_kwargs,
             section=section,
+            rename=("model.", f"{section}."),
         )
         specs[role] = spec or ModelSpec(**ok_kwargs)
     per_rank = _samples_per_rank_or_guess(cfg, "policy")

@@ -212,6 +212,7 @@ class TrainPump:
         self.in_update = False
         self._pending: list[tuple[Pending, str]] = []  # transitions started, not awaited
         self._pending_step = 0
+        self._counted: dict[str, float] = {}  # the actor's pass counters at the last step
         # True once this step's policy is final on the engines (after the early refit):
         # the next step's prompts may then be dispatched, overlapping critic training.
         self._policy_ahead = False
@@ -361,7 +362,7 @@ class TrainPump:
         if not self._policy_epochs:
             return self._call(
                 Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
-            ).first()
+            ).reduced()
         rows = Rows(batch.model_inputs())
         old = self._call(
             Role.ACTOR,
@@ -389,7 +390,7 @@ class TrainPump:
                 s.chunk_metrics.append(out.summed())
             update = self._call(
                 Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
-            ).first()
+            ).reduced()
         return update
 
     def _refit(self, s: _StepState) -> None:
@@ -603,6 +604,12 @@ class TrainPump:
         }
         for phase, seconds in totals.items():
             out.setdefault(f"perf/{phase}_s", seconds)
+        if s.policy:  # the actor's passes over this step's samples (1 while streaming)
+            counts = self.actor.call("counters").summed()
+            done = {k: v - self._counted.get(k, 0.0) for k, v in counts.items()}
+            self._counted = counts
+            forwards = done.get("policy_forward", 0.0) + done.get("policy_forward_backward", 0.0)
+            out["train/actor_forwards_per_sample"] = forwards / batch.size
         if s.chunk_metrics:  # per chunk, as the actor computed them
             for key in _CHUNK_KEYS:
                 out[f"chunk/{key.split('/')[-1]}"] = [m.get(key, 0.0) for m in s.chunk_metrics]

@@ -103,8 +103,9 @@ class GroupResult:
                     out[k] = out.get(k, 0.0) + float(v)
         return out
 
-    def first(self) -> Any:
-        return self.values[0]
+    def reduced(self) -> dict[str, float]:
+        """Numbers every rank computed alike (already all-reduced): data-parallel rank 0's."""
+        return {k: float(v) for k, v in self.values[0].items()}
 
 
 @dataclass

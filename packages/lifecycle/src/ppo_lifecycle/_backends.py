@@ -122,9 +122,13 @@ def _bytes_of(storage: torch.UntypedStorage) -> memoryview:
 
 
 def _new_spill_fd(label: str) -> int:
-    """An anonymous in-memory file: ``memfd`` (Linux), else an unlinked temporary file."""
+    """An anonymous in-memory file (``memfd``, Linux); where there is none (or a sandbox
+    refuses it), an unlinked temporary file (page cache, written back to disk)."""
     if hasattr(os, "memfd_create"):
-        return os.memfd_create(f"ppo_lifecycle:{label}", os.MFD_CLOEXEC)
+        try:
+            return os.memfd_create(f"ppo_lifecycle:{label}", os.MFD_CLOEXEC)
+        except OSError:  # pragma: no cover - seccomp or an old kernel
+            pass
     with tempfile.TemporaryFile(prefix="ppo_lifecycle-") as handle:  # pragma: no cover
         return os.dup(handle.fileno())
 
@@ -157,7 +161,7 @@ class _Spill:
     counted in the process's RSS) through ``pwrite``/``preadv``, spread over up to
     ``files`` files so that several threads copy at once (writes to one file are
     serialised by the kernel). The files are closed with the backend; nothing is
-    left on disk, even when the process dies.
+    left behind, even when the process dies.
     """
 
     def __init__(self, label: str, files: int) -> None:
