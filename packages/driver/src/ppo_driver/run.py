@@ -32,8 +32,8 @@ import ray
 import torch
 import yaml
 from ppo_lifecycle import ALL_PARTS, Role
-from ppo_placement import SharedPlacement, check_streaming_layout, placement_layout, start_local_ray
-from ppo_sampler import Sampler, SamplerConfig, make_sampler
+from ppo_placement import SharedPlacement, start_local_ray
+from ppo_sampler import Sampler, make_sampler
 from ppo_trainer import ActorWorker, CriticWorker
 
 from ppo_driver.checkpoint import (
@@ -47,7 +47,7 @@ from ppo_driver.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from ppo_driver.config import DriverConfig, trainer_configs
+from ppo_driver.config import DriverConfig, cluster_layout, sampler_config, trainer_configs
 from ppo_driver.metrics import MetricsWriter, format_step_line, plot_rewards, read_metrics
 from ppo_driver.pump import InjectedFailure, StepReport, TrainPump
 from ppo_driver.rollout import (
@@ -624,12 +624,7 @@ def _build(
     the engines, the data and the pump."""
     t0 = time.perf_counter()
     started_here = not ray.is_initialized()
-    layout = placement_layout(
-        actor_gpus=cfg.cluster.actor_gpus,
-        rollout_gpus=cfg.cluster.rollout_gpus,
-        colocate=cfg.cluster.colocate,
-    )
-    check_streaming_layout(layout, streaming=cfg.streaming)
+    layout = cluster_layout(cfg)
     if started_here and not keep_ray:
         on_exit("ray.shutdown", ray.shutdown)
     start_local_ray(
@@ -663,16 +658,7 @@ def _build(
     refitter = WeightRefitter(actor=actor.handles[0], peers=actor.handles[1:], engines=engines)
     generation = _Generation(engines, refitter)
 
-    sampler = make_sampler(
-        SamplerConfig(
-            num_prompts_per_step=cfg.batch_groups,
-            min_groups_for_streaming_train=cfg.min_groups,
-            name=cfg.async_rl.sampler.name,
-            max_lookahead_versions=cfg.async_rl.sampler.max_lookahead_versions,
-            max_staleness_versions=cfg.async_rl.sampler.max_staleness_versions,
-            evict_stale=cfg.async_rl.sampler.evict_stale,
-        )
-    )
+    sampler = make_sampler(sampler_config(cfg))
     records = synthetic_records(
         num_prompts=4096, seed=cfg.run.seed, max_count=int(cfg.rollout.extra.get("max_count", 8))
     )
