@@ -118,6 +118,62 @@ def main() -> None:
         f"(steps 2..{args.steps} of {args.rounds} run(s) per mode; "
         f"total bench {time.perf_counter() - t0:.0f} s)"
     )
+    print()
+    for name, value, target in _ratios(rows):
+        print(f"{name:<58} {value:>7.3f}   {target}")
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.mean(float(r.get(key, 0.0)) for r in rows)
+
+
+def _ratios(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, str]]:
+    """The issue's three ratios and the actor's forwards per sample.
+
+    * per-chunk overhead: what a streaming chunk costs beyond its model compute (the
+      driver's GAE and bookkeeping, Ray round trips, the switches), over that compute:
+      ``(chunk span - value forward - actor forward/backward) / (value + actor compute)``;
+    * overlap efficiency: the fraction of the hideable work that streaming hides,
+      ``(full-batch step - streaming step) / hideable``; hideable = the full-batch
+      step's chunk work (value forward, actor forward/backward, switches) times the
+      share of the samples that streaming trains in non-final chunks.
+    """
+    stream, full = rows["streaming"], rows["full-batch"]
+    compute = _mean(stream, "perf/value_s") + _mean(stream, "perf/backward_s")
+    overhead = _mean(stream, "perf/chunk_s") - compute
+    non_final = statistics.mean(
+        1.0 - r["train/chunk_groups"][-1] / sum(r["train/chunk_groups"]) for r in stream
+    )
+    full_chunk = _mean(full, "perf/chunk_s")
+    hideable = full_chunk * non_final
+    saved = _mean(full, "perf/step_s") - _mean(stream, "perf/step_s")
+    out = [
+        (
+            "streaming step time / full-batch step time",
+            _mean(stream, "perf/step_s") / _mean(full, "perf/step_s"),
+            "(lower is better)",
+        ),
+        (
+            "per-chunk overhead / chunk compute (streaming)",
+            overhead / compute if compute > 0 else float("nan"),
+            "(target <= 0.10)",
+        ),
+        (
+            "overlap efficiency (hidden / hideable work)",
+            saved / hideable if hideable > 0 else float("nan"),
+            f"(target >= 0.8; hideable {hideable:.3f} s/step)",
+        ),
+    ]
+    for mode, timed in rows.items():
+        if timed and "train/actor_forwards_per_sample" in timed[0]:
+            out.append(
+                (
+                    f"actor forwards per sample ({mode})",
+                    _mean(timed, "train/actor_forwards_per_sample"),
+                    "(+ the backward; 1 while streaming without KL loss)",
+                )
+            )
+    return out
 
 
 if __name__ == "__main__":

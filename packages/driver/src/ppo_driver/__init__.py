@@ -1,9 +1,9 @@
 """ppo_driver: streaming colocated PPO (actor and critic share the training devices,
 generation runs on its own), its config, train pump, checkpoints and CLI.
 
-Light names (config) import eagerly; the rest (torch, Ray) load on first use, so that
-``import ppo_driver`` and ``ppo-driver --help`` stay fast (``validate`` loads torch: it
-runs the trainer's own config checks).
+Every name loads on first use, so that ``import ppo_driver`` and ``ppo-driver --help``
+stay fast: the config loads torch (it builds the trainer's own typed configs), the run
+loads Ray.
 """
 
 from __future__ import annotations
@@ -11,24 +11,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ppo_driver.config import (
-    ConfigError,
-    ConfigProblem,
-    DriverConfig,
-    ValidationReport,
-    default_config_path,
-    load_config,
-    validate,
-)
-
 __version__ = "0.2.0"
 
 _LAZY = {
+    "ConfigError": "ppo_driver.config",
+    "ConfigProblem": "ppo_driver.config",
+    "DriverConfig": "ppo_driver.config",
+    "ValidationReport": "ppo_driver.config",
+    "default_config_path": "ppo_driver.config",
+    "load_config": "ppo_driver.config",
+    "validate": "ppo_driver.config",
     "ChunkGate": "ppo_driver.pump",
     "InjectedFailure": "ppo_driver.pump",
     "NonFiniteError": "ppo_driver.pump",
     "RunStopped": "ppo_driver.run",
-    "StartupError": "ppo_driver.run",
+    "StartupError": "ppo_driver.startup",
     "CheckpointDamaged": "ppo_driver.checkpoint",
     "verify_checkpoint": "ppo_driver.checkpoint",
     "RewardFailure": "ppo_driver.rollout",

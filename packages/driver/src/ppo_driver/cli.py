@@ -16,8 +16,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ppo_driver.config import ConfigError, load_config
-
 __all__ = ["main"]
 
 
@@ -102,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # imported after parsing: `ppo-driver --help` answers without loading torch
+    from ppo_driver.config import ConfigError, load_config
+
     try:
         cfg, report = load_config(args.config, args.overrides, check=False)
     except ConfigError as exc:
@@ -110,9 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in report.warnings:
         print(warning, file=sys.stderr)
     if args.command == "validate":
-        # validate() itself does not load ppo_driver.run (Ray); the crash-drill variable
-        # it checks here lives there
-        from ppo_driver.run import FAIL_ENV, StartupError, parse_fail_at
+        from ppo_driver.startup import FAIL_ENV, StartupError, parse_fail_at
 
         try:
             parse_fail_at(os.environ.get(FAIL_ENV))

@@ -1,7 +1,7 @@
 """The train pump: one PPO step at a time, streaming chunks as generation finishes them.
 
-:meth:`TrainPump.run_step` reads top to bottom like the step schedule of the design
-(docs/DESIGN.md in the shared notes; summarised in docs/interfaces.md):
+:meth:`TrainPump.run_step` reads top to bottom like this step schedule (the streaming
+document's; the worker calls are in docs/interfaces.md):
 
     for each chunk the sampler releases:
         critic: value forward (unchanged critic)           -> old values

@@ -63,6 +63,7 @@ from ppo_driver.rollout import (
     repeat_reward,
     synthetic_records,
 )
+from ppo_driver.startup import FAIL_ENV, FAIL_POINTS, StartupError, parse_fail_at
 from ppo_driver.trace import TraceRecorder
 from ppo_driver.workers import TrainGroup
 
@@ -82,12 +83,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("ppo_driver")
-
-FAIL_ENV = "PPO_DRIVER_FAIL_AT"
-"""``<step>:<point>`` makes the driver crash at a named point (tests, crash drills)."""
-
-FAIL_POINTS = ("after_chunks", "after_policy_update", "before_critic", "after_step", "checkpoint")
-"""The points :data:`FAIL_ENV` can name."""
 
 LOCK_FILE = "run.lock"
 """In the run directory: locked (``flock``) by the run using it; names its holder."""
@@ -120,11 +115,6 @@ RESUME_FIXED_KEYS: tuple[str, ...] = (
 )
 """Config keys that fix the meaning of a run's saved state: ``--resume`` refuses to
 change them (the rest, e.g. ``run.num_steps`` or learning rates, may change)."""
-
-
-class StartupError(ValueError):
-    """A run refused before anything started (no Ray, no workers; the message says what
-    and how to fix it)."""
 
 
 class RunStopped(BaseException):
@@ -200,20 +190,6 @@ def _progress_bar(done: int, total: int, *, width: int = 24) -> str:
 
 
 # ------------------------------------------------------------------- before anything starts
-
-
-def parse_fail_at(value: str | None) -> str | None:
-    """``"<step>:<point>"`` (a crash drill), normalised; ``None`` or ``""``: no drill.
-    Anything else is refused (a typo must not silently run without the drill)."""
-    if not value:
-        return None
-    step, sep, point = value.partition(":")
-    if not (sep and step.strip().isdigit() and point in FAIL_POINTS):
-        raise StartupError(
-            f"{FAIL_ENV}={value!r} is not '<step>:<point>' with a step number and one of "
-            f"{', '.join(FAIL_POINTS)} (e.g. '1:before_critic'); fix it or unset it"
-        )
-    return f"{int(step)}:{point}"
 
 
 def _open_run_dir(run_dir: Path) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ import ray
 import torch
 from ppo_lifecycle import Part
 from ppo_placement import Slot
-from ppo_trainer import Mesh
+from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, Mesh
 from torch import Tensor
 
 __all__ = [
@@ -125,11 +125,16 @@ class _Host:
     """The per-rank Ray actor body: builds the trainer worker and forwards calls."""
 
     def __init__(
-        self, worker_cls: type, config: Any, rank: int, world_size: int, init: str | None
+        self,
+        worker_cls: Callable[..., ActorWorker | CriticWorker],
+        config: ActorConfig | CriticConfig,
+        rank: int,
+        world_size: int,
+        init: str | None,
     ) -> None:
         torch.set_num_threads(1)
         self._build_args = (worker_cls, config, rank, world_size, init)
-        self.worker: Any = None
+        self.worker: ActorWorker | CriticWorker | None = None
 
     def build(self) -> Mesh:
         """Build the model (a collective across the group's ranks); returns the mesh."""
@@ -156,9 +161,11 @@ class _Host:
             timeline = [(method, t0, t1)]
         return result, timeline
 
-    def export_weights(self) -> Any:
+    def export_weights(self) -> dict[str, Tensor] | None:
         """Used by the rollout refitter through ``__ray_call__`` (a collective: every
         rank of the group calls it; the source rank returns the weights)."""
+        if self.worker is None:
+            raise RuntimeError("export_weights before build()")
         return self.worker.export_weights()
 
 
@@ -170,7 +177,14 @@ class TrainGroup:
     never need to fit at once).
     """
 
-    def __init__(self, role: str, worker_cls: type, config: Any, *, slots: Sequence[Slot]) -> None:
+    def __init__(
+        self,
+        role: str,
+        worker_cls: Callable[..., ActorWorker | CriticWorker],
+        config: ActorConfig | CriticConfig,
+        *,
+        slots: Sequence[Slot],
+    ) -> None:
         """``slots``: the role's ``ppo_placement`` view, one slot per rank (its
         ``actor_options()`` give the GPU/CPU share and the bundle)."""
         self.role = role
