@@ -132,14 +132,16 @@ def _ratios(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, str
 
     * per-chunk overhead: what a streaming chunk costs beyond its model compute (the
       driver's GAE and bookkeeping, Ray round trips, the switches), over that compute:
-      ``(chunk span - value forward - actor forward/backward) / (value + actor compute)``;
+      ``(chunk span - model compute) / model compute``, model compute = the value
+      forward, the actor's log-prob forward (none while streaming now) and its
+      forward/backward, as the workers timed them;
     * overlap efficiency: the fraction of the hideable work that streaming hides,
       ``(full-batch step - streaming step) / hideable``; hideable = the full-batch
       step's chunk work (value forward, actor forward/backward, switches) times the
       share of the samples that streaming trains in non-final chunks.
     """
     stream, full = rows["streaming"], rows["full-batch"]
-    compute = _mean(stream, "perf/value_s") + _mean(stream, "perf/backward_s")
+    compute = sum(_mean(stream, f"perf/{p}_s") for p in ("value", "logprob", "backward"))
     overhead = _mean(stream, "perf/chunk_s") - compute
     non_final = statistics.mean(
         1.0 - r["train/chunk_groups"][-1] / sum(r["train/chunk_groups"]) for r in stream

@@ -72,7 +72,11 @@ def _run(tmp: Path, name: str, *extra: str) -> list[dict[str, object]]:
             f"run.num_steps={STEPS}",
             "run.progress=false",
             *(f"{r}.megatron_cfg.enabled=true" for r in ("policy", "critic")),
-            *(f"{r}.num_hidden_layers=2" for r in ("policy", "critic")),  # two stages
+            *(
+                f"{r}.{k}=2"  # two pipeline stages; heads that split over two tensor ranks
+                for r in ("policy", "critic")
+                for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+            ),
             *extra,
         ],
     )

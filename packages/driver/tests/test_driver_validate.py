@@ -32,6 +32,7 @@ from ppo_driver.config import (
 from ppo_placement import check_streaming_layout, placement_layout
 from ppo_sampler import SamplerConfig
 from ppo_trainer import ActorConfig, CriticConfig, ModelSpec
+from workload_testlib import make_model_dir
 
 FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: full-batch
 MEGATRON = ["policy.megatron_cfg.enabled=true", "critic.megatron_cfg.enabled=true"]
@@ -926,15 +927,8 @@ def test_model_path_needs_config_json(tmp_path: Path) -> None:
 
 
 def test_existing_paths_are_accepted(tmp_path: Path, reward_module: str) -> None:
-    model = _hf_dir(
-        tmp_path / "m",
-        model_type="qwen2",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=22,
-        hidden_size=64,
-    )
+    # a real model directory: config.json, safetensors weights and its tokenizer
+    model = make_model_dir(tmp_path / "m")
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a1:"}\n')
     _, report = load_config(

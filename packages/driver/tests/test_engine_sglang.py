@@ -1,10 +1,21 @@
-"""The sglang engine: output parsing runs everywhere; the engine itself and the NCCL
-refit need CUDA and the ``sglang`` extra (``gpu`` marker, skipped here)."""
+"""The sglang engine: output parsing, the engine over a stand-in for ``sglang.Engine``
+(arguments, one sglang thread, the refit protocol into sglang's weight-update API, the
+tiny model written for it) and ``validate``'s ``rollout.engine`` checks run everywhere;
+the real engine, the NCCL refit and the CLI run with ``rollout.engine=sglang`` need CUDA
+and the ``sglang`` extra (``gpu`` marker, skipped here)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +116,304 @@ def test_nccl_refit_into_embedded_engine_on_gpu() -> None:
         assert stats.transport == "nccl" and ray.get(engine.health.remote()).weight_version == 1
     finally:
         shutdown_local_ray()
+
+
+# -- the engine over a stand-in for sglang.Engine (CPU): threads, arguments, refit ----------
+
+
+class _FakeSglEngine:
+    """Records what ``SglangEngine`` asks of ``sglang.Engine`` and on which thread."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.calls: list[tuple[str, int]] = [("__init__", threading.get_ident())]
+        self.updates: list[dict[str, torch.Tensor]] = []
+
+    def _mark(self, name: str) -> None:
+        self.calls.append((name, threading.get_ident()))
+
+    def generate(
+        self,
+        *,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        return_logprob: bool,
+    ) -> list[dict[str, Any]]:
+        self._mark("generate")
+        assert return_logprob and len(input_ids) == len(sampling_params)
+        time.sleep(0.01)
+        return [
+            {
+                "output_ids": [7, 2],
+                "meta_info": {
+                    "finish_reason": {"type": "stop", "matched": 2},
+                    "output_token_logprobs": [(-0.5, 7, None), (-0.25, 2, None)],
+                },
+            }
+            for _ in input_ids
+        ]
+
+    def update_weights_from_tensor(self, *, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._mark("update_weights_from_tensor")
+        self.updates.append(dict(named_tensors))
+
+    def release_memory_occupation(self) -> None:
+        self._mark("release")
+
+    def resume_memory_occupation(self) -> None:
+        self._mark("resume")
+
+    def shutdown(self) -> None:
+        self._mark("shutdown")
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppo_driver.rollout import _sglang
+
+    monkeypatch.setattr(_sglang, "_import_sglang", lambda: SimpleNamespace(Engine=_FakeSglEngine))
+
+
+def _request(prompt_index: int, n: int = 2) -> Any:
+    from ppo_driver.rollout import GroupRequest, SamplingParams
+
+    params = SamplingParams(n=n, max_new_tokens=4, stop_token_ids=(2,), temperature=0.7)
+    return GroupRequest(prompt_index=prompt_index, prompt_ids=(4, 5, 6), params=params)
+
+
+def test_engine_arguments_and_one_sglang_thread(fake_sglang: None) -> None:
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/models/m", run_seed=3, mem_fraction_static=0.3)
+    fake = engine.engine
+    assert fake.kwargs == {
+        "model_path": "/models/m",
+        "random_seed": 3,
+        "skip_tokenizer_init": True,  # token ids in, token ids out
+        "enable_memory_saver": True,
+        "log_level": "error",
+        "mem_fraction_static": 0.3,
+    }
+    with ThreadPoolExecutor(4) as pool:  # Ray runs a threaded actor's calls like this
+        outs = list(pool.map(lambda i: engine.generate([_request(i)]), range(6)))
+    engine.release_memory()
+    engine.resume_memory()
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    threads = {t for _, t in fake.calls}
+    assert len(threads) == 1 and threading.get_ident() not in threads  # sglang's own thread
+    assert [name for name, _ in fake.calls].count("shutdown") == 1
+    for i, (out,) in enumerate(outs):
+        assert out.prompt_index == i and out.weight_version == 0
+        assert [s.token_ids for s in out.samples] == [(7, 2), (7, 2)]
+        assert out.samples[0].finish_reason == "stop"
+
+
+def test_per_sample_seeds_and_stop_tokens_reach_sglang(fake_sglang: None) -> None:
+    from ppo_driver.rollout import SglangEngine, sample_seed
+
+    engine = SglangEngine(model_path="/m", run_seed=5)
+    seen: list[dict[str, Any]] = []
+    original = engine.engine.generate
+
+    def spy(**kwargs: Any) -> Any:
+        seen.extend(kwargs["sampling_params"])
+        return original(**kwargs)
+
+    engine.engine.generate = spy
+    engine.generate([_request(11, n=3)])
+    assert [p["sampling_seed"] for p in seen] == [
+        sample_seed(run_seed=5, prompt_index=11, sample_index=j, weight_version=0) % 2**31
+        for j in range(3)
+    ]
+    assert all(p["stop_token_ids"] == [2] and p["temperature"] == 0.7 for p in seen)
+    engine.shutdown()
+
+
+def test_refit_protocol_hands_the_weights_to_sglang(fake_sglang: None) -> None:
+    """The driver's refit (rank 0 broadcasts over a private gloo group) -> the engine
+    receives -> sglang's weight-update API (``update_weights_from_tensor``)."""
+    from ppo_driver.rollout import SglangEngine, broadcast_state_dict, connect_group, open_store
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    weights = {"a.weight": torch.randn(3, 4), "b.bias": torch.arange(5, dtype=torch.float32)}
+    store, port = open_store(host="127.0.0.1", world_size=2, timeout_s=60)
+    with ThreadPoolExecutor(2) as pool:
+        sender = pool.submit(
+            connect_group,
+            store=store,
+            master_addr="127.0.0.1",
+            master_port=0,
+            rank=0,
+            world_size=2,
+            backend="gloo",
+        )
+        engine.init_refit_group(
+            master_addr="127.0.0.1",
+            master_port=port,
+            rank=1,
+            world_size=2,
+            backend="gloo",
+            group_name="g",
+        )
+        group = sender.result(timeout=60)
+        receive = pool.submit(engine.receive_weights, group_name="g")
+        broadcast_state_dict(weights, group=group, version=4, bucket_bytes=16)
+        assert receive.result(timeout=60) == 4
+    assert engine.health().weight_version == 4
+    (update,) = engine.engine.updates
+    assert set(update) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(update[name], tensor)
+    engine.close_refit_group(group_name="g")
+    engine.shutdown()
+
+
+def test_tiny_model_is_written_for_sglang(tmp_path: Path, fake_sglang: None) -> None:
+    from ppo_driver.rollout import SglangEngine, materialize_model
+    from ppo_trainer import ModelSpec, build_causal_lm
+    from transformers import AutoModelForCausalLM
+
+    spec = ModelSpec(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, seed=7)  # fmt: skip
+    path = materialize_model(spec, str(tmp_path / "m"))
+    loaded = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).state_dict()
+    expected = build_causal_lm(spec).state_dict()  # what the trainer starts from
+    assert set(loaded) == set(expected)
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert materialize_model(ModelSpec(path=path)) == path  # a directory is used as it is
+    engine = SglangEngine(model=spec, run_seed=0)
+    assert (Path(engine.engine.kwargs["model_path"]) / "config.json").is_file()
+    engine.shutdown()
+    with pytest.raises(ValueError, match="exactly one of model_path and model"):
+        SglangEngine(model_path=path, model=spec, run_seed=0)
+
+
+# -- validate: rollout.engine ------------------------------------------------------------
+
+
+def _engine_problems(
+    monkeypatch: pytest.MonkeyPatch, *overrides: str, sglang: bool, cuda: bool
+) -> list[Any]:
+    from ppo_driver import config as config_mod
+    from ppo_driver.config import load_config
+
+    real = config_mod._module_available
+    monkeypatch.setattr(
+        config_mod, "_module_available", lambda name: sglang if name == "sglang" else real(name)
+    )
+    monkeypatch.setattr(config_mod, "_cuda_available", lambda: cuda)
+    _, report = load_config(None, list(overrides), check=False)
+    return report.errors
+
+
+@pytest.mark.parametrize(
+    ("sglang", "cuda", "needs"),
+    [
+        (False, False, ("ppo-driver[sglang]", "CUDA")),
+        (False, True, ("ppo-driver[sglang]",)),
+        (True, False, ("CUDA",)),
+    ],
+)
+def test_validate_says_what_sglang_is_missing(
+    monkeypatch: pytest.MonkeyPatch, sglang: bool, cuda: bool, needs: tuple[str, ...]
+) -> None:
+    errors = _engine_problems(monkeypatch, "rollout.engine=sglang", sglang=sglang, cuda=cuda)
+    assert [p.key for p in errors] == ["rollout.engine"], errors
+    (error,) = errors
+    assert all(word in error.message for word in needs), error.message
+    assert ("extra" in error.message) == (not sglang)
+    assert "rollout.engine=embedded" in error.fix
+
+
+def test_validate_refuses_sglang_on_this_machine() -> None:
+    if importlib.util.find_spec("sglang") is not None and torch.cuda.is_available():
+        pytest.skip("sglang can run here")
+    from ppo_driver.config import load_config
+
+    _, report = load_config(None, ["rollout.engine=sglang"], check=False)
+    assert [p.key for p in report.errors] == ["rollout.engine"]
+    assert "cannot run on this machine" in report.errors[0].message
+
+
+def test_validate_engine_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    ok = _engine_problems(
+        monkeypatch,
+        "rollout.engine=sglang",
+        "rollout.engine_kwargs={mem_fraction_static: 0.3}",
+        sglang=True,
+        cuda=True,
+    )
+    assert ok == []
+    errors = _engine_problems(
+        monkeypatch,
+        "rollout.engine=sglang",
+        "rollout.num_engines=2",
+        "rollout.engine_kwargs={tp_size: 2, model_path: /x}",
+        sglang=True,
+        cuda=True,
+    )
+    assert sorted(p.key for p in errors) == [
+        "rollout.engine_kwargs.model_path",
+        "rollout.engine_kwargs.tp_size",
+        "rollout.num_engines",
+    ]
+    errors = _engine_problems(monkeypatch, "rollout.engine=vllm", sglang=True, cuda=True)
+    assert [p.key for p in errors] == ["rollout.engine"] and "embedded, sglang" in errors[0].fix
+    errors = _engine_problems(
+        monkeypatch, "rollout.engine_kwargs={mem_fraction_static: 0.3}", sglang=True, cuda=True
+    )
+    assert [p.key for p in errors] == ["rollout.engine_kwargs"]  # embedded: unused
+
+
+# -- end to end through the CLI (GPU) ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_sglang
+@pytest.mark.timeout(1800)
+def test_cli_trains_two_steps_with_sglang(tmp_path: Path) -> None:
+    """``rollout.engine=sglang`` through the real CLI: engines on the rollout bundle
+    (their own GPU, NCCL refit, streaming) or, on a one-GPU machine, colocated on the
+    training GPU (full-batch, gloo refit, sglang's memory released while training)."""
+    gpus = torch.cuda.device_count()
+    run_dir = tmp_path / "run"
+    overrides = [
+        "rollout.engine=sglang",
+        "run.num_steps=2",
+        "run.checkpoint_every=0",
+        "ppo.num_prompts_per_step=8",
+        "ppo.num_generations_per_prompt=2",
+        "ppo.critic_mini_batch_size=8",
+        "rollout.max_new_tokens=8",
+        *(
+            f"{role}.{key}={value}"
+            for role in ("policy", "critic")
+            for key, value in (
+                ("hidden_size", 128),
+                ("intermediate_size", 256),
+                ("num_hidden_layers", 2),
+                ("num_attention_heads", 2),
+                ("num_key_value_heads", 1),
+            )
+        ),
+        "rollout.engine_kwargs={mem_fraction_static: 0.3, disable_cuda_graph: true}",
+    ]
+    if gpus >= 2:
+        overrides += ["async_rl.min_groups_for_streaming_train=2"]
+    else:
+        overrides += ["cluster.colocate=true", "async_rl.min_groups_for_streaming_train=8"]
+    cmd = [sys.executable, "-m", "ppo_driver.cli", "train", "--run-dir", str(run_dir)]
+    proc = subprocess.run(
+        [*cmd, "--no-progress", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r.get("perf/refit_bytes", 0) > 0 for r in rows)  # refits went through sglang
+    assert all(r["rollout/reward_mean"] is not None for r in rows)

@@ -32,7 +32,14 @@ from typing import Any, Literal, TypeVar
 import yaml
 from ppo_placement import Layout, SharedPlacement, check_streaming_layout, placement_layout
 from ppo_sampler import SamplerConfig, group_alignment, single_chunk_only
-from ppo_trainer import ActorConfig, CriticConfig, ModelSpec, get_backend
+from ppo_trainer import (
+    OFFLOAD_BACKENDS,
+    ActorConfig,
+    CriticConfig,
+    ModelSpec,
+    get_backend,
+    resolve_offload_backend,
+)
 
 __all__ = [
     "AdvEstimatorConfig",
@@ -54,6 +61,7 @@ __all__ = [
     "cluster_layout",
     "default_config_path",
     "load_config",
+    "model_path",
     "sampler_config",
     "trainer_configs",
     "validate",
@@ -76,7 +84,13 @@ class RunConfig:
     num_steps: int = 200
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
+    # Greedy evaluation of rollout.eval_dataset_path after every eval_every-th step (and
+    # the last); eval/* in that step's metrics row. 0: off.
+    eval_every: int = 0
     progress: bool = True
+    # TensorBoard event files under <run dir>/tensorboard/ (every numeric metric), besides
+    # metrics.jsonl and the console line; needs the extra ppo-driver[tensorboard].
+    tensorboard: bool = False
 
 
 @dataclass
@@ -158,6 +172,9 @@ class ModelConfig:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     train_micro_batch_size: int | None = None
+    # auto | host_copy | memory_saver: how sleep moves the model off its device (auto:
+    # memory_saver on CUDA with torch_memory_saver and the torch backend, else host_copy)
+    offload_backend: str = "auto"
     megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
 
 
@@ -170,12 +187,22 @@ class ClusterConfig:
     colocate: bool = False
     logical_gpus: bool = True
     num_cpus: int | None = None
+    # null: start a local Ray cluster; "auto" or "host:port": join the existing cluster
+    # (`ray start`) at that GCS address, and leave it running at the end.
+    address: str | None = None
 
 
 @dataclass
 class RolloutConfig:
-    task: str = "builtin"
+    # The prompts: null, the built-in task; else a JSONL file, one object per line with
+    # a `prompt_key` field (every field reaches the reward as `record`).
     dataset_path: str | None = None
+    prompt_key: str = "prompt"
+    # The tokenizer's chat template around each prompt (a string, or a list of
+    # {"role", "content"} messages); needs policy.model_path's tokenizer to have one.
+    apply_chat_template: bool = False
+    # Held-out prompts (JSONL, same prompt_key), evaluated every run.eval_every steps.
+    eval_dataset_path: str | None = None
     reward: str | None = None
     max_new_tokens: int = 12
     temperature: float = 1.0
@@ -190,6 +217,10 @@ class RolloutConfig:
     # row (reward raised, timed out, or returned something that is not a real number).
     max_consecutive_group_failures: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
+    # The generation engine: "embedded" (plain torch, CPU or GPU) or "sglang" (the extra
+    # ppo-driver[sglang], CUDA); engine_kwargs: extra sglang.Engine server arguments.
+    engine: str = "embedded"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -584,6 +615,7 @@ _TRAIN_FIELDS = {
     "max_grad_norm": "max_grad_norm",
     "warmup_steps": "warmup_steps",
     "micro_batch_size": "train_micro_batch_size",
+    "offload_backend": "offload_backend",
 }
 _ACTOR_PPO_FIELDS = (
     "eps_clip",
@@ -605,6 +637,17 @@ _MODEL_FIELDS = (
 
 def _section(role: Role) -> str:
     return "critic" if role == "critic" else "policy"
+
+
+def model_path(cfg: DriverConfig, role: Role) -> str | None:
+    """The Hugging Face model directory ``role``'s model is built from, made absolute
+    (Ray workers on any node read it): its section's ``model_path``; a null
+    ``critic.model_path`` takes the policy's (the critic is then the policy's checkpoint
+    with a value head on top). None: the tiny Qwen2 of the section's sizes."""
+    path = cfg.model(role).model_path
+    if path is None and role == "critic":
+        path = cfg.policy.model_path
+    return None if path is None else str(Path(path).expanduser().absolute())
 
 
 def _seed(cfg: DriverConfig, role: Role) -> int:
@@ -654,6 +697,7 @@ def _train_kwargs(cfg: DriverConfig, role: Role, *, samples_per_rank: int) -> di
         # value goes through as it is (0 must reach the trainer's check, not become null).
         "micro_batch_size": samples_per_rank if micro is None else micro,
         "loss_agg": cfg.ppo.loss_agg,
+        "offload_backend": m.offload_backend,
     }
 
 
@@ -684,7 +728,10 @@ def trainer_configs(cfg: DriverConfig, *, vocab_size: int) -> tuple[ActorConfig,
     """
     models = {
         role: ModelSpec(
-            **_model_spec_kwargs(cfg.model(role), vocab_size=vocab_size, seed=_seed(cfg, role))
+            **{
+                **_model_spec_kwargs(cfg.model(role), vocab_size=vocab_size, seed=_seed(cfg, role)),
+                "path": model_path(cfg, role),
+            }
         )
         for role in ROLES
     }
@@ -757,12 +804,16 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     _check_sampler(r, cfg)
     _check_rules(r, cfg)
     _check_trainer(r, cfg)
+    _check_offload_backend(r, cfg)
     mesh_ok = _check_megatron(r, cfg)
     _check_layout(r, cfg)
     if mesh_ok:
         _check_alignment(r, cfg)
     _check_files(r, cfg)
     _check_reward(r, cfg)
+    _check_cluster_address(r, cfg)
+    _check_engine(r, cfg)
+    _check_tensorboard(r, cfg)
     return r
 
 
@@ -1025,7 +1076,10 @@ def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
             cfg,
             who="ppo_trainer.ModelSpec",
             build=ModelSpec,
-            kwargs=_model_spec_kwargs(cfg.model(role), vocab_size=vocab, seed=_seed(cfg, role)),
+            kwargs={
+                **_model_spec_kwargs(cfg.model(role), vocab_size=vocab, seed=_seed(cfg, role)),
+                "path": model_path(cfg, role),
+            },
             keys={f"{section}.{name}": (name, f"{section}.{name}") for name in _MODEL_FIELDS},
             fallback=ok_kwargs,
             section=section,
@@ -1054,6 +1108,33 @@ def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
         fallback=_critic_kwargs(default, samples_per_rank=1),
         section="critic",
     )
+
+
+def _check_offload_backend(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``policy/critic.offload_backend`` on this machine's device, as the trainer's
+    backends resolve it (``ppo_trainer.resolve_offload_backend``): ``memory_saver`` needs
+    CUDA, torch_memory_saver and the torch backend (Megatron: ``host_copy`` only)."""
+    device = "cuda" if _cuda_available() else "cpu"
+    for role in ROLES:
+        section = _section(role)
+        m = cfg.model(role)
+        key = f"{section}.offload_backend"
+        if m.offload_backend not in OFFLOAD_BACKENDS or any(p.key == key for p in r.errors):
+            continue  # the trainer's config check reports an unknown name
+        try:
+            resolve_offload_backend(
+                m.offload_backend,
+                device=device,
+                backend="megatron" if m.megatron_cfg.enabled else "torch",
+                key=key,
+            )
+        except ValueError as exc:
+            head, fix = _split_fix(" ".join(str(exc).split()))
+            r.errors.append(
+                ConfigProblem(
+                    key, m.offload_backend, head.removeprefix(f"{key}='memory_saver' "), fix or ""
+                )
+            )
 
 
 def _samples_per_rank_or_guess(cfg: DriverConfig, role: Role) -> int:
@@ -1345,7 +1426,8 @@ def _model_shape(cfg: DriverConfig, role: Role) -> _Shape | None:
     """The head / layer / vocabulary counts the trainer builds ``role`` with: the
     checkpoint's config.json with a model_path, else the tiny model of the config."""
     m = cfg.model(role)
-    if m.model_path is None:
+    source = model_path(cfg, role)  # the critic's defaults to the policy's
+    if source is None:
         if min(m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers) < 1:
             return None  # reported by ppo_trainer.ModelSpec
         return _Shape(
@@ -1355,7 +1437,7 @@ def _model_shape(cfg: DriverConfig, role: Role) -> _Shape | None:
             _builtin_vocab_size(),
             f"the {role}.* model sizes and the built-in task's vocabulary",
         )
-    path = Path(m.model_path) / "config.json"
+    path = Path(source) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
         heads = int(hf["num_attention_heads"])
@@ -1491,15 +1573,28 @@ def _check_alignment(r: ValidationReport, cfg: DriverConfig) -> None:
 
 
 def _check_files(r: ValidationReport, cfg: DriverConfig) -> None:
-    """Model directories (with config.json) and the prompt data set exist."""
+    """Model directories (config.json, safetensors weights), the policy's tokenizer,
+    and the prompt data sets, read and encoded line by line as ``train`` will."""
+    shapes = _check_model_dirs(r, cfg)
+    tokenizer = _check_tokenizer(r, cfg, shapes)
+    _check_data(r, cfg, tokenizer)
+
+
+def _check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict[str, Any]]:
+    """Each ``model_path`` given: a directory with ``config.json`` (a JSON object) and
+    ``*.safetensors`` weights. Returns the config.json of each role whose model comes
+    from a directory (the critic's may be the policy's); sizes set beside a
+    ``model_path`` are warned about (the checkpoint's config.json decides them)."""
+    configs: dict[str, dict[str, Any]] = {}
     for role in ROLES:
         path = getattr(cfg, role).model_path
         if path is None:
             continue
         key = f"{role}.model_path"
         fix = (
-            f"point {key} at a local Hugging Face model directory (config.json and "
-            "*.safetensors), or remove it for the built-in tiny model"
+            f"point {key} at a local Hugging Face model directory (config.json, "
+            "*.safetensors and, for the policy, the tokenizer files), or remove it for the "
+            "built-in tiny model"
         )
         model = Path(path)
         config = model / "config.json"
@@ -1519,31 +1614,227 @@ def _check_files(r: ValidationReport, cfg: DriverConfig) -> None:
                 continue
             if not isinstance(hf, dict):
                 r.errors.append(ConfigProblem(key, path, f"{config} is not a JSON object", fix))
-    data = cfg.rollout.dataset_path
-    if data is not None and not Path(data).is_file():
-        state = "is not a file" if Path(data).exists() else "does not exist"
+                continue
+            if not any(model.glob("*.safetensors")):
+                r.errors.append(
+                    ConfigProblem(
+                        key,
+                        path,
+                        f"{model} has no *.safetensors weights (the trainer loads "
+                        "safetensors only, never pickled *.bin files)",
+                        f"{fix}; convert the weights with save_pretrained(..., "
+                        "safe_serialization=True)",
+                    )
+                )
+                continue
+            configs[role] = hf
+    out: dict[Role, dict[str, Any]] = {}
+    for role in ROLES:
+        own = getattr(cfg, role).model_path
+        source: Role = role if own is not None or role != "critic" else "policy"
+        if model_path(cfg, role) is None:
+            continue
+        if source in configs:
+            out[role] = configs[source]
+        where = f"{source}.model_path"
+        for name in _MODEL_FIELDS:
+            value, default = getattr(cfg.model(role), name), getattr(ModelConfig(), name)
+            if value != default:
+                r.warnings.append(
+                    ConfigProblem(
+                        f"{role}.{name}",
+                        value,
+                        f"has no effect: the {role} model comes from {where} (its "
+                        "config.json gives the sizes)",
+                        f"remove {role}.{name}"
+                        + (", or set critic.model_path" if where != f"{role}.model_path" else ""),
+                        severity="warning",
+                    )
+                )
+    return out
+
+
+def _check_tokenizer(
+    r: ValidationReport, cfg: DriverConfig, shapes: Mapping[Role, Mapping[str, Any]]
+) -> Any:
+    """The tokenizer ``train`` uses (``ppo_driver.workload.load_tokenizer_for``): the
+    policy directory's own, loaded with ``transformers.AutoTokenizer`` (local files
+    only); the built-in character tokenizer without a ``policy.model_path``. Its ids
+    must fit both models' vocabularies; ``rollout.apply_chat_template`` needs a chat
+    template. Returns it, or None when it cannot be loaded (reported)."""
+    from ppo_driver.rollout import TASK_ALPHABET, CharTokenizer, HFTokenizer  # lazy: torch
+
+    path = cfg.policy.model_path
+    tokenizer: Any
+    if path is None:
+        tokenizer = CharTokenizer(TASK_ALPHABET)
+    elif "policy" not in shapes:
+        return None  # the directory itself is refused (reported)
+    else:
+        try:
+            tokenizer = HFTokenizer(path)
+        except ValueError as exc:
+            r.errors.append(
+                ConfigProblem(
+                    "policy.model_path",
+                    path,
+                    str(exc),
+                    "save the model's tokenizer into that directory "
+                    "(tokenizer.save_pretrained(dir)); the policy's directory gives both "
+                    "the weights and the tokenizer",
+                )
+            )
+            return None
+    for role, hf in shapes.items():
+        vocab = hf.get("vocab_size")
+        key = (
+            f"{role}.model_path" if cfg.model(role).model_path is not None else "policy.model_path"
+        )
+        if isinstance(vocab, int) and tokenizer.vocab_size > vocab:
+            r.errors.append(
+                ConfigProblem(
+                    key,
+                    cfg.model(role).model_path or path,
+                    f"the tokenizer has {tokenizer.vocab_size} ids but the {role} model's "
+                    f"vocabulary holds {vocab} (config.json vocab_size): token ids beyond it "
+                    "have no embedding",
+                    f"use a {role} model trained with this tokenizer",
+                )
+            )
+    if cfg.rollout.apply_chat_template and not getattr(tokenizer, "has_chat_template", False):
+        why = (
+            "the built-in task's character tokenizer has none (no policy.model_path)"
+            if path is None
+            else f"the tokenizer of {path} has none (no chat_template in its files)"
+        )
         r.errors.append(
             ConfigProblem(
-                "rollout.dataset_path",
-                data,
-                f"the prompt data set {data} {state}",
-                'point rollout.dataset_path at a JSONL file (one {"prompt": ...} object per '
-                "line), or remove it for the built-in task",
+                "rollout.apply_chat_template",
+                True,
+                f"needs a chat template, and {why}",
+                "set rollout.apply_chat_template=false, or policy.model_path to a model "
+                "whose tokenizer has a chat template",
+            )
+        )
+    return tokenizer
+
+
+def _check_data(r: ValidationReport, cfg: DriverConfig, tokenizer: Any) -> None:
+    """The data keys: each JSONL file read and encoded as ``train`` will (missing,
+    empty, every bad line named by number), the prompt key, the evaluation schedule, the
+    built-in task's options, and a reward for JSONL data."""
+    from ppo_driver.rollout import DataError, PromptDataset, read_jsonl  # lazy: torch
+
+    ro = cfg.rollout
+    _need(
+        r,
+        "rollout.prompt_key",
+        ro.prompt_key,
+        bool(ro.prompt_key.strip()),
+        "a field name",
+        "prompt",
+    )
+    chat = ro.apply_chat_template and bool(getattr(tokenizer, "has_chat_template", False))
+    for key, path in (
+        ("rollout.dataset_path", ro.dataset_path),
+        ("rollout.eval_dataset_path", ro.eval_dataset_path),
+    ):
+        if path is None or not ro.prompt_key.strip():
+            continue
+        try:
+            if tokenizer is None:  # the tokenizer is refused (reported): the lines only
+                read_jsonl(path, prompt_key=ro.prompt_key, messages=ro.apply_chat_template)
+            else:
+                PromptDataset.from_jsonl(
+                    path, tokenizer, prompt_key=ro.prompt_key, chat_template=chat
+                )
+        except DataError as exc:
+            r.errors.append(
+                ConfigProblem(
+                    key,
+                    path,
+                    exc.problem,
+                    f"{exc.fix}; or point {key} at another file"
+                    + (
+                        ", or remove it for the built-in task"
+                        if key == "rollout.dataset_path"
+                        else ""
+                    ),
+                )
+            )
+    every, eval_path = cfg.run.eval_every, ro.eval_dataset_path
+    if _check_positive(r, "run.eval_every", every, allow_zero=True):
+        if every > 0 and eval_path is None:
+            r.errors.append(
+                ConfigProblem(
+                    "run.eval_every",
+                    every,
+                    "evaluation needs a held-out data set, and rollout.eval_dataset_path is null",
+                    "set rollout.eval_dataset_path to a JSONL file of held-out prompts, or "
+                    "run.eval_every=0",
+                )
+            )
+        elif every == 0 and eval_path is not None:
+            r.errors.append(
+                ConfigProblem(
+                    "rollout.eval_dataset_path",
+                    eval_path,
+                    "is never evaluated: run.eval_every is 0 (off)",
+                    "set run.eval_every to the number of steps between evaluations (e.g. 10), "
+                    "or remove rollout.eval_dataset_path",
+                )
+            )
+    for name, value in ro.extra.items():
+        if name != "max_count":
+            r.errors.append(
+                ConfigProblem(
+                    f"rollout.extra.{name}",
+                    value,
+                    "unknown task option (the built-in task reads only max_count; a JSONL "
+                    "record's own fields reach the reward)",
+                    f"remove rollout.extra.{name}",
+                )
+            )
+        elif ro.dataset_path is not None:
+            r.errors.append(
+                ConfigProblem(
+                    "rollout.extra.max_count",
+                    value,
+                    "is the built-in task's option and has no effect with "
+                    "rollout.dataset_path (the prompts come from that file)",
+                    "remove rollout.extra.max_count, or rollout.dataset_path for the built-in task",
+                )
+            )
+    jsonl = [
+        k for k, v in (("dataset_path", ro.dataset_path), ("eval_dataset_path", eval_path)) if v
+    ]
+    if ro.reward is None and jsonl:
+        r.errors.append(
+            ConfigProblem(
+                "rollout.reward",
+                None,
+                f"rollout.{jsonl[0]} is a JSONL data set, and the built-in reward (null) "
+                "scores only the built-in task (it reads its records' char and count)",
+                "set rollout.reward to your reward, 'path/to/reward.py:function' or "
+                "'package.module:function' (records of the built-in task's form: "
+                "'ppo_driver.rollout:repeat_reward')",
             )
         )
 
 
 def _check_reward(r: ValidationReport, cfg: DriverConfig) -> None:
-    """Import the reward function as ``train`` will (ppo_driver.rollout.load_reward_fn)."""
+    """Import the reward function as ``train`` will (ppo_driver.rollout.load_reward_fn:
+    a module's function, or a Python file's) and check it takes the rollout's keywords."""
     spec = cfg.rollout.reward
     if spec is None:
         return
-    from ppo_driver.rollout import load_reward_fn  # lazy: imports torch
+    from ppo_driver.rollout import REWARD_FORMS, load_reward_fn  # lazy: imports torch
 
     fix = (
-        "set rollout.reward to 'package.module:function', a callable "
-        "reward_fn(*, response, record, finish_reason) -> float that imports here "
-        "(check PYTHONPATH), or remove it for the built-in task's reward"
+        f"set rollout.reward to {REWARD_FORMS} (a file path is relative to the working "
+        "directory; a module must import here: check PYTHONPATH), naming a callable "
+        "reward_fn(*, response, record, finish_reason) -> float, sync or async; or "
+        "remove it for the built-in task's reward"
     )
     try:
         fn = load_reward_fn(spec)
@@ -1574,5 +1865,225 @@ def _check_reward(r: ValidationReport, cfg: DriverConfig) -> None:
                 "it cannot be called as reward_fn(response=..., record=..., "
                 f"finish_reason=...) ({exc})",
                 fix,
+            )
+        )
+
+
+# --------------------------------------------------------------------------- cluster, engine, metrics
+
+ENGINES = ("embedded", "sglang")
+"""``rollout.engine`` values: the plain-torch engine (CPU or GPU) and sglang (CUDA)."""
+SGLANG_EXTRA = "ppo-driver[sglang]"
+TENSORBOARD_EXTRA = "ppo-driver[tensorboard]"
+# sglang.Engine arguments the driver sets itself: the key that decides each, or why.
+_SGLANG_RESERVED = {
+    "model_path": "policy.model_path (the built-in tiny model is written for it)",
+    "random_seed": "run.seed",
+    "skip_tokenizer_init": "the driver hands sglang token ids and reads token ids back",
+    "tp_size": "each engine holds one rollout GPU (more GPUs: more rollout.num_engines)",
+}
+
+
+def _module_available(name: str) -> bool:
+    """Whether ``name`` can be imported here (not imported: no side effects)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _check_cluster_address(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``cluster.address``: null (a local cluster), ``auto`` or ``host:port`` (join)."""
+    from ppo_placement import parse_cluster_address
+
+    address = cfg.cluster.address
+    if address is None:
+        return
+    try:
+        parse_cluster_address(address)
+    except ValueError as exc:
+        head, fix = _split_fix(" ".join(str(exc).split()))
+        head = head.removeprefix(f"cluster address {address!r}").lstrip(": ")
+        r.errors.append(
+            ConfigProblem(
+                "cluster.address",
+                address,
+                head,
+                f"{fix or 'fix it'}, or null to start a local cluster",
+            )
+        )
+    if cfg.cluster.num_cpus is not None:
+        r.warnings.append(
+            ConfigProblem(
+                "cluster.num_cpus",
+                cfg.cluster.num_cpus,
+                "has no effect when joining a cluster (cluster.address is set): its nodes' "
+                "`ray start --num-cpus/--num-gpus` decide the resources",
+                "remove cluster.num_cpus",
+                severity="warning",
+            )
+        )
+
+
+def _check_engine(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``rollout.engine`` and what it needs: sglang wants its extra, CUDA and a GPU per
+    engine; ``rollout.engine_kwargs`` are sglang's own server arguments."""
+    ro = cfg.rollout
+    if ro.engine not in ENGINES:
+        close = difflib.get_close_matches(str(ro.engine), ENGINES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        r.errors.append(
+            ConfigProblem(
+                "rollout.engine",
+                ro.engine,
+                f"unknown generation engine{hint}",
+                f"set rollout.engine to one of {', '.join(ENGINES)}",
+            )
+        )
+        return
+    if ro.engine == "embedded":
+        if ro.engine_kwargs:
+            r.errors.append(
+                ConfigProblem(
+                    "rollout.engine_kwargs",
+                    ro.engine_kwargs,
+                    "only the sglang engine reads it (rollout.engine=embedded)",
+                    "remove rollout.engine_kwargs, or set rollout.engine=sglang",
+                )
+            )
+        return
+    missing = []
+    if not _module_available("sglang"):
+        missing.append(
+            f"the sglang package (the extra {SGLANG_EXTRA}: `uv sync --extra sglang` in this "
+            "workspace, `pip install 'ppo-driver[sglang]'` elsewhere)"
+        )
+    if not _cuda_available():
+        missing.append("CUDA (sglang generates on NVIDIA GPUs; this machine has none)")
+    if missing and cfg.cluster.address is None:
+        r.errors.append(
+            ConfigProblem(
+                "rollout.engine",
+                ro.engine,
+                "the sglang engine cannot run on this machine: it needs " + " and ".join(missing),
+                f"install {SGLANG_EXTRA} on a CUDA machine, or set rollout.engine=embedded "
+                "(runs anywhere, CPU included)",
+            )
+        )
+    elif missing:
+        r.warnings.append(
+            ConfigProblem(
+                "rollout.engine",
+                ro.engine,
+                "this machine lacks " + " and ".join(missing) + "; that is fine only if the "
+                f"cluster at cluster.address={cfg.cluster.address} has them on its GPU nodes "
+                "(the engines run there)",
+                f"install {SGLANG_EXTRA} and CUDA on the cluster's GPU nodes",
+                severity="warning",
+            )
+        )
+    if ro.num_engines > cfg.cluster.rollout_gpus >= 1:
+        r.errors.append(
+            ConfigProblem(
+                "rollout.num_engines",
+                ro.num_engines,
+                f"each sglang engine needs a rollout GPU of its own, and cluster.rollout_gpus="
+                f"{cfg.cluster.rollout_gpus}",
+                f"set rollout.num_engines to at most {cfg.cluster.rollout_gpus}, or raise "
+                "cluster.rollout_gpus",
+            )
+        )
+    if ro.decode_delay_s:
+        r.warnings.append(
+            ConfigProblem(
+                "rollout.decode_delay_s",
+                ro.decode_delay_s,
+                "has no effect with rollout.engine=sglang (only the embedded engine emulates "
+                "a slower device)",
+                "remove rollout.decode_delay_s",
+                severity="warning",
+            )
+        )
+    _check_engine_kwargs(r, cfg)
+
+
+def _check_engine_kwargs(r: ValidationReport, cfg: DriverConfig) -> None:
+    """sglang server arguments: none the driver sets itself, and (where sglang imports)
+    only names ``sglang.srt.server_args.ServerArgs`` knows."""
+    kwargs = cfg.rollout.engine_kwargs
+    for name, why in _SGLANG_RESERVED.items():
+        if name in kwargs:
+            r.errors.append(
+                ConfigProblem(
+                    f"rollout.engine_kwargs.{name}",
+                    kwargs[name],
+                    f"the driver sets it: {why}",
+                    f"remove rollout.engine_kwargs.{name}",
+                )
+            )
+    known = _sglang_server_args()
+    if known is not None:
+        for name in kwargs:
+            if name not in known and name not in _SGLANG_RESERVED:
+                close = difflib.get_close_matches(str(name), sorted(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                r.errors.append(
+                    ConfigProblem(
+                        f"rollout.engine_kwargs.{name}",
+                        kwargs[name],
+                        f"not an sglang server argument (sglang.srt.server_args.ServerArgs){hint}",
+                        f"remove rollout.engine_kwargs.{name}, or use an argument of "
+                        "`python -m sglang.launch_server --help` (with _ for -)",
+                    )
+                )
+    if (
+        cfg.cluster.colocate
+        and "mem_fraction_static" not in kwargs
+        and not any(p.key == "rollout.engine" for p in r.errors)
+    ):
+        r.warnings.append(
+            ConfigProblem(
+                "rollout.engine_kwargs.mem_fraction_static",
+                None,
+                "with cluster.colocate=true sglang shares the training GPUs, but by default "
+                "it reserves most of a GPU's memory for itself",
+                "set rollout.engine_kwargs.mem_fraction_static (e.g. 0.3) to leave the "
+                "trainers room",
+                severity="warning",
+            )
+        )
+
+
+def _sglang_server_args() -> frozenset[str] | None:
+    """The fields of sglang's ``ServerArgs`` (None when sglang does not import here)."""
+    if not _module_available("sglang"):
+        return None
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # a broken or CUDA-less install: the engine reports it at start-up
+        return None
+    return frozenset(f.name for f in dataclasses.fields(ServerArgs))
+
+
+def _check_tensorboard(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``run.tensorboard`` needs the tensorboard package (an optional extra)."""
+    if cfg.run.tensorboard and not _module_available("tensorboard"):
+        r.errors.append(
+            ConfigProblem(
+                "run.tensorboard",
+                True,
+                "writing TensorBoard event files needs the tensorboard package, which is not "
+                "installed",
+                f"install the extra {TENSORBOARD_EXTRA} (in this workspace: `uv sync --extra "
+                "tensorboard`), or set run.tensorboard=false (metrics.jsonl is written either "
+                "way)",
             )
         )

@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON line per step, a console line, and the reward plot."""
+"""Per-step metrics: one JSON line per step, TensorBoard event files (optional), a console
+line, and the reward plot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["MetricsWriter", "format_step_line", "plot_rewards", "read_metrics"]
+__all__ = [
+    "TENSORBOARD_DIR",
+    "MetricsWriter",
+    "TensorBoardWriter",
+    "format_step_line",
+    "plot_rewards",
+    "read_metrics",
+]
+
+TENSORBOARD_DIR = "tensorboard"
+"""In the run directory: the TensorBoard event files (``run.tensorboard: true``), so that
+``tensorboard --logdir runs/`` lists each run as ``<name>/tensorboard``."""
 
 
 def _clean(value: Any) -> Any:
@@ -19,13 +31,22 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per completed step to ``metrics.jsonl``.
+    """Appends one JSON object per completed step to ``metrics.jsonl``, and with
+    ``tensorboard_dir`` every numeric metric of it to TensorBoard event files there
+    (:class:`TensorBoardWriter`).
 
     On resume the file is truncated to the steps the checkpoint covers, so no step is
-    ever recorded twice.
+    ever recorded twice (TensorBoard: the steps from ``keep_steps_below`` on, written by
+    the run before, are purged from its view).
     """
 
-    def __init__(self, path: str | Path, *, keep_steps_below: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        keep_steps_below: int | None = None,
+        tensorboard_dir: str | Path | None = None,
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep_steps_below is not None and self.path.exists():
@@ -36,16 +57,63 @@ class MetricsWriter:
         elif keep_steps_below is None and self.path.exists():
             self.path.unlink()
         self._fh: TextIO | None = self.path.open("a")
+        self.tensorboard = (
+            None
+            if tensorboard_dir is None
+            else TensorBoardWriter(tensorboard_dir, purge_step=keep_steps_below)
+        )
 
     def write(self, record: Mapping[str, Any]) -> None:
         assert self._fh is not None, "writer closed"
         self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._fh.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class TensorBoardWriter:
+    """Every numeric metric of a step record as a TensorBoard scalar: the tag is the
+    metric's key (``rollout/reward_mean``: TensorBoard groups tags by the part before the
+    ``/``), the x value the record's ``step``. Non-numeric values (strings, ``None``) and
+    booleans are left out; NaN and infinity are written as they are.
+
+    Needs the ``tensorboard`` package (the extra ``ppo-driver[tensorboard]``), imported
+    here only, when a writer is made. Flushed after every step, so a running
+    ``tensorboard --logdir`` shows each step as it completes.
+
+    Args:
+        log_dir: where the event files go (created if missing).
+        purge_step: on resume, the first step this run writes: TensorBoard hides what
+            earlier event files in ``log_dir`` recorded from this step on (a crashed run's
+            steps past its last checkpoint, trained again now).
+    """
+
+    def __init__(self, log_dir: str | Path, *, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.log_dir = Path(log_dir)
+        self._writer: Any = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        assert self._writer is not None, "writer closed"
+        step = int(record["step"])
+        for key, value in record.items():
+            if key == "step" or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            self._writer.add_scalar(key, float(value), global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

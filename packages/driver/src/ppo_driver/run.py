@@ -32,9 +32,17 @@ import ray
 import torch
 import yaml
 from ppo_lifecycle import ALL_PARTS, Role
-from ppo_placement import SharedPlacement, start_local_ray
+from ppo_placement import (
+    Layout,
+    RayJoinError,
+    RoleView,
+    SharedPlacement,
+    Slot,
+    join_ray,
+    start_local_ray,
+)
 from ppo_sampler import Sampler, make_sampler
-from ppo_trainer import ActorWorker, CriticWorker
+from ppo_trainer import ActorWorker, CriticWorker, ModelSpec
 
 from ppo_driver.checkpoint import (
     CheckpointDamaged,
@@ -48,24 +56,28 @@ from ppo_driver.checkpoint import (
     verify_checkpoint,
 )
 from ppo_driver.config import DriverConfig, cluster_layout, sampler_config, trainer_configs
-from ppo_driver.metrics import MetricsWriter, format_step_line, plot_rewards, read_metrics
+from ppo_driver.metrics import (
+    TENSORBOARD_DIR,
+    MetricsWriter,
+    format_step_line,
+    plot_rewards,
+    read_metrics,
+)
 from ppo_driver.pump import InjectedFailure, StepReport, TrainPump
 from ppo_driver.rollout import (
-    TASK_ALPHABET,
-    CharTokenizer,
-    PromptDataset,
+    EngineRestarted,
+    Evaluator,
     RefitStats,
     RolloutManager,
     SamplingParams,
     WeightRefitter,
     launch_embedded_engines,
-    load_reward_fn,
-    repeat_reward,
-    synthetic_records,
+    launch_sglang_engines,
 )
 from ppo_driver.startup import FAIL_ENV, FAIL_POINTS, StartupError, parse_fail_at
 from ppo_driver.trace import TraceRecorder
 from ppo_driver.workers import TrainGroup
+from ppo_driver.workload import load_workload
 
 __all__ = [
     "FAIL_ENV",
@@ -92,8 +104,9 @@ RESUME_FIXED_KEYS: tuple[str, ...] = (
     "ppo.num_prompts_per_step",  # which prompts make step k; replay and sampler state
     "ppo.num_generations_per_prompt",  # rows per group in the replay buffer
     "cluster.actor_gpus",  # data-parallel ranks: one checkpoint file set per rank
-    "rollout.task",
-    "rollout.dataset_path",
+    "rollout.dataset_path",  # the prompts (null: the built-in task)
+    "rollout.prompt_key",  # the prompt of record i
+    "rollout.apply_chat_template",  # the token ids of prompt i
     "rollout.extra",  # e.g. the built-in task's max_count: what prompt i is
     "async_rl.sampler.name",  # the sampler state's format
     *(
@@ -148,6 +161,62 @@ class RunResult:
 # ------------------------------------------------------------------- engines
 
 
+def _refit_backend(cfg: DriverConfig) -> str:
+    """The refit transport: NCCL for sglang engines on GPUs of their own (trainer rank 0
+    and every engine on distinct GPUs), gloo otherwise (CPU engines, or sglang sharing
+    the training GPUs: NCCL refuses two ranks on one GPU; the engine then copies the
+    received tensors to its GPU)."""
+    return "nccl" if cfg.rollout.engine == "sglang" and not cfg.cluster.colocate else "gloo"
+
+
+def _launch_engines(
+    cfg: DriverConfig,
+    model: ModelSpec,
+    slots: list[Slot],
+    *,
+    on_exit: Callable[[str, Callable[[], object]], None],
+) -> list[Any]:
+    """``rollout.num_engines`` engines of kind ``rollout.engine`` on the rollout bundles
+    (round robin; engines sharing a bundle split its share). sglang engines load the
+    policy's directory, or write the tiny model of ``model`` on their node."""
+    n = cfg.rollout.num_engines
+    per_bundle = -(-n // len(slots))
+    placed = [slots[i % len(slots)] for i in range(n)]
+    strategies = [s.scheduling_strategy for s in placed]
+    if cfg.rollout.engine == "sglang":
+        engines = launch_sglang_engines(
+            n,
+            model=model,
+            run_seed=cfg.run.seed,
+            scheduling_strategies=strategies,
+            num_cpus=placed[0].num_cpus,
+            num_gpus=placed[0].num_gpus,  # validate: one rollout GPU per sglang engine
+            engine_kwargs={
+                "enable_memory_saver": cfg.cluster.colocate,
+                **cfg.rollout.engine_kwargs,
+            },
+        )
+    else:
+        engines = launch_embedded_engines(
+            n,
+            model=model,
+            run_seed=cfg.run.seed,
+            scheduling_strategies=strategies,
+            num_cpus=placed[0].num_cpus / per_bundle,
+            num_gpus=placed[0].num_gpus / per_bundle,
+            step_delay_s=cfg.rollout.decode_delay_s,
+        )
+    for engine in engines:
+        on_exit("engine", partial(ray.kill, engine))
+        if cfg.rollout.engine == "sglang":  # runs first: sglang stops its own processes
+            on_exit("sglang engine shutdown", partial(_stop_sglang, engine))
+    return engines
+
+
+def _stop_sglang(engine: Any) -> None:
+    ray.get(engine.shutdown.remote(), timeout=60)
+
+
 class _Generation:
     """The engines as the pump's plan sees them: refit, pause/resume (shared devices)."""
 
@@ -165,6 +234,74 @@ class _Generation:
     def resume(self) -> None:
         ray.get([e.resume_memory.remote() for e in self.engines])
         ray.get([e.continue_generation.remote() for e in self.engines])
+
+
+# ------------------------------------------------------------------- cluster
+
+
+def _connect_cluster(
+    cfg: DriverConfig,
+    layout: Layout,
+    *,
+    keep_ray: bool,
+    on_exit: Callable[[str, Callable[[], object]], None],
+) -> None:
+    """``cluster.address`` null: start a local Ray cluster with the layout's (logical)
+    GPUs, shut down at the end. Else join the existing cluster there; at the end the
+    driver only disconnects (``ray.shutdown()`` in a joined driver stops nothing of the
+    cluster): it never tears down a cluster it did not start."""
+    started_here = not ray.is_initialized()
+    address = cfg.cluster.address
+    if address is None:
+        if started_here and not keep_ray:
+            on_exit("ray.shutdown", ray.shutdown)
+        start_local_ray(
+            num_gpus=layout.num_gpus,
+            num_cpus=cfg.cluster.num_cpus
+            or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
+        )
+        return
+    try:
+        joined = join_ray(address)
+    except (ValueError, RayJoinError) as exc:
+        raise StartupError(f"cluster.address={address}: {exc}") from None
+    if started_here and not keep_ray:
+        on_exit("leaving the Ray cluster (it keeps running)", ray.shutdown)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    gpus, cpus = float(total.get("GPU", 0.0)), float(total.get("CPU", 0.0))
+    if gpus < layout.num_gpus or cpus < layout.num_gpus:
+        raise StartupError(
+            f"cluster.address={address}: the cluster has {gpus:g} GPU(s) and {cpus:g} CPU(s) "
+            f"on {len(nodes)} node(s), but this run reserves {layout.num_gpus} bundles of 1 GPU "
+            f"+ 1 CPU (cluster.actor_gpus={cfg.cluster.actor_gpus} for actor and critic, "
+            f"cluster.rollout_gpus={cfg.cluster.rollout_gpus}"
+            f"{', colocated' if layout.colocate else ''}); add nodes or GPUs (`ray start "
+            "--num-gpus=N`), or ask for fewer"
+        )
+    log.info(
+        "start-up: joined the Ray cluster at %s (%d node(s), %g GPU(s), %g CPU(s)); it stays "
+        "up after the run",
+        joined.address,
+        len(nodes),
+        gpus,
+        cpus,
+    )
+
+
+def _where(placement: SharedPlacement) -> str:
+    """Which nodes hold the training ranks and the engines (for the start-up log)."""
+
+    def nodes(view: RoleView) -> str:
+        seen: dict[str, str] = {}
+        for slot in view:
+            seen.setdefault(slot.node_id, slot.node_ip)
+        return ", ".join(f"{ip} (node {node_id[:12]})" for node_id, ip in seen.items())
+
+    return (
+        f"actor and critic ranks on {nodes(placement.actor_view())}; engines on "
+        f"{nodes(placement.rollout_view())}"
+    )
 
 
 # ------------------------------------------------------------------- logging / progress
@@ -546,6 +683,7 @@ class _Built:
     manager: RolloutManager
     trace: TraceRecorder
     pump: TrainPump
+    evaluator: Evaluator | None = None  # rollout.eval_dataset_path, every run.eval_every steps
 
 
 def _run(
@@ -599,18 +737,12 @@ def _build(
     """The cluster, the shared placement, the worker processes (models not built yet),
     the engines, the data and the pump."""
     t0 = time.perf_counter()
-    started_here = not ray.is_initialized()
+    workload = load_workload(cfg)  # before Ray: data, tokenizer and reward errors stop here
     layout = cluster_layout(cfg)
-    if started_here and not keep_ray:
-        on_exit("ray.shutdown", ray.shutdown)
-    start_local_ray(
-        num_gpus=layout.num_gpus,
-        num_cpus=cfg.cluster.num_cpus
-        or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
-    )
+    _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
     log.info("start-up: Ray up after %.1f s", time.perf_counter() - t0)
 
-    tokenizer = CharTokenizer(TASK_ALPHABET)
+    tokenizer = workload.tokenizer
     actor_cfg, critic_cfg = trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
     placement = SharedPlacement(layout).create()  # actor rank r and critic rank r: bundle r
     on_exit("placement teardown", placement.teardown)
@@ -618,38 +750,30 @@ def _build(
     on_exit("actor workers", actor.kill)
     critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
     on_exit("critic workers", critic.kill)
-    rollout_slots = list(placement.rollout_view())
-    engine_slots = [rollout_slots[i % len(rollout_slots)] for i in range(cfg.rollout.num_engines)]
-    engines = launch_embedded_engines(
-        cfg.rollout.num_engines,
-        model=actor_cfg.model,
-        run_seed=cfg.run.seed,
-        scheduling_strategies=[s.scheduling_strategy for s in engine_slots],
-        num_cpus=engine_slots[0].num_cpus,
-        num_gpus=engine_slots[0].num_gpus,
-        step_delay_s=cfg.rollout.decode_delay_s,
+    log.info("start-up: placement: %s", _where(placement))
+    engines = _launch_engines(cfg, actor_cfg.model, list(placement.rollout_view()), on_exit=on_exit)
+    refitter = WeightRefitter(
+        actor=actor.handles[0],
+        peers=actor.handles[1:],
+        engines=engines,
+        backend=_refit_backend(cfg),
+        master_addr=placement.actor_view()[0].node_ip,  # the store listens on rank 0's node
     )
-    for engine in engines:
-        on_exit("engine", partial(ray.kill, engine))
-    refitter = WeightRefitter(actor=actor.handles[0], peers=actor.handles[1:], engines=engines)
     generation = _Generation(engines, refitter)
 
     sampler = make_sampler(sampler_config(cfg))
-    records = synthetic_records(
-        num_prompts=4096, seed=cfg.run.seed, max_count=int(cfg.rollout.extra.get("max_count", 8))
-    )
     lookahead = cfg.async_rl.sampler.max_lookahead_versions
     manager = RolloutManager(
         engines=engines,
-        dataset=PromptDataset(records, tokenizer),
+        dataset=workload.dataset,
         sampler=sampler,
-        reward_fn=load_reward_fn(cfg.rollout.reward) if cfg.rollout.reward else repeat_reward,
+        reward_fn=workload.reward_fn,
         params=SamplingParams(
             n=cfg.ppo.num_generations_per_prompt,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=(tokenizer.eos_id,),
+            stop_token_ids=workload.stop_token_ids,
         ),
         prompts_per_step=cfg.batch_groups,
         max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
@@ -683,7 +807,19 @@ def _build(
         fail_at=fail_at,
         step_of=manager.buffer.step_of,
     )
-    return _Built(actor, critic, engines, generation, sampler, manager, trace, pump)
+    evaluator = None
+    if workload.eval_dataset is not None:
+        evaluator = Evaluator(
+            engines=engines,
+            dataset=workload.eval_dataset,
+            reward_fn=workload.reward_fn,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop_token_ids=workload.stop_token_ids,
+            timeout_s=cfg.rollout.reward_timeout_s,
+        )
+    return _Built(
+        actor, critic, engines, generation, sampler, manager, trace, pump, evaluator=evaluator
+    )
 
 
 def _start(built: _Built, *, latest: Path | None, t_run: float) -> int | None:
@@ -773,6 +909,35 @@ def _checkpoint(
     log.info("checkpoint %s", path)
 
 
+def _evaluate(cfg: DriverConfig, built: _Built, *, step_done: int) -> dict[str, float]:
+    """``eval/*`` metrics of the policy after step ``step_done``, when an evaluation is
+    due (every ``run.eval_every`` steps, and after the last): greedy decoding of the
+    held-out prompts on the engines, after the step's refit. An engine lost meanwhile
+    skips it with a warning (the rollout manager re-dispatches training's groups)."""
+    every, evaluator = cfg.run.eval_every, built.evaluator
+    if evaluator is None or every < 1:
+        return {}
+    if step_done % every and step_done != cfg.run.num_steps:
+        return {}
+    with built.trace.span("eval", step=step_done - 1, phase="eval"):
+        try:
+            result = evaluator.run()
+        except (ray.exceptions.RayActorError, EngineRestarted) as exc:
+            log.warning("eval after step %d skipped: an engine was lost (%s)", step_done, exc)
+            return {}
+    metrics = result.metrics()
+    log.info(
+        "eval after step %d: reward mean %.4f over %d prompt(s), greedy (%d reward "
+        "failure(s)), %.1f s",
+        step_done,
+        metrics["eval/reward_mean"],
+        len(result.rewards),
+        result.failures,
+        result.seconds,
+    )
+    return metrics
+
+
 def _loop(
     cfg: DriverConfig,
     built: _Built,
@@ -789,7 +954,14 @@ def _loop(
     metrics_writer = MetricsWriter(
         run_dir / "metrics.jsonl",
         keep_steps_below=pump.completed_steps if resumed_from is not None else None,
+        tensorboard_dir=run_dir / TENSORBOARD_DIR if cfg.run.tensorboard else None,
     )
+    if cfg.run.tensorboard:
+        log.info(
+            "TensorBoard event files in %s (view: tensorboard --logdir %s)",
+            run_dir / TENSORBOARD_DIR,
+            run_dir.parent,
+        )
     on_exit("metrics file", metrics_writer.close)
     result = RunResult(
         run_dir=run_dir, completed_steps=pump.completed_steps, resumed_from=resumed_from
@@ -809,6 +981,7 @@ def _loop(
         metrics = report.metrics
         if built.generation.last_refit is not None:
             metrics["perf/refit_bytes"] = built.generation.last_refit.bytes
+        metrics.update(_evaluate(cfg, built, step_done=pump.completed_steps))
         metrics_writer.write(metrics)
         result.metrics.append(metrics)
         result.completed_steps = pump.completed_steps

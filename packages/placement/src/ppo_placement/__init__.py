@@ -1,15 +1,20 @@
-"""ppo_placement: shared actor/critic GPU placement on Ray, and the project's local Ray start.
+"""ppo_placement: shared actor/critic GPU placement on Ray, and the project's local Ray start
+(or joining an existing cluster).
 
-``placement_layout`` and ``check_streaming_layout`` are pure (importing this package does
-not import Ray); ``SharedPlacement`` and ``start_local_ray`` import Ray when called.
+``placement_layout``, ``check_streaming_layout`` and ``parse_cluster_address`` are pure
+(importing this package does not import Ray); ``SharedPlacement``, ``start_local_ray``
+and ``join_ray`` import Ray when called.
 """
 
 from ppo_placement._layout import Layout, check_streaming_layout, placement_layout
 from ppo_placement._placement import Bundle, RoleView, SharedPlacement, Slot
 from ppo_placement._ray_start import (
     LocalRay,
+    RayJoinError,
     RayStartError,
     apply_local_ray_env,
+    join_ray,
+    parse_cluster_address,
     shutdown_local_ray,
     start_local_ray,
 )
@@ -20,6 +25,7 @@ __all__ = [
     "Bundle",
     "Layout",
     "LocalRay",
+    "RayJoinError",
     "RayStartError",
     "RoleView",
     "SharedPlacement",
@@ -27,6 +33,8 @@ __all__ = [
     "__version__",
     "apply_local_ray_env",
     "check_streaming_layout",
+    "join_ray",
+    "parse_cluster_address",
     "placement_layout",
     "shutdown_local_ray",
     "start_local_ray",

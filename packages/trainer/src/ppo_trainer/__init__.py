@@ -11,7 +11,10 @@ Public API (see the package README and docs/interfaces.md):
   parts (``Part``, ``ALL_PARTS``, ``KEEP_GRADIENTS``) come from ``ppo_lifecycle``;
 * Hugging Face models: ``build_causal_lm``, ``build_value_model``, ``save_hf_checkpoint``;
 * backends: ``get_backend``, ``register_backend``, ``available_backends``,
-  ``backend_importable`` and the ``Backend`` / ``TrainModel`` / ``FrozenModel`` protocols.
+  ``backend_importable`` and the ``Backend`` / ``TrainModel`` / ``FrozenModel`` protocols;
+* offload and communicators: ``resolve_offload_backend`` (what ``offload_backend``
+  becomes on a device), ``memory_saver_installed``, ``CommunicatorSuspender`` (NCCL
+  communicators released while a process's models sleep).
 """
 
 from ppo_trainer._backend import (
@@ -51,6 +54,11 @@ from ppo_trainer._math import (
     policy_loss,
     value_loss,
 )
+from ppo_trainer._offload import (
+    CommunicatorSuspender,
+    memory_saver_installed,
+    resolve_offload_backend,
+)
 from ppo_trainer._torch_backend import (
     build_causal_lm,
     build_value_model,
@@ -77,6 +85,7 @@ __all__ = [
     "ActorWorker",
     "Backend",
     "BackendFactory",
+    "CommunicatorSuspender",
     "CriticConfig",
     "CriticWorker",
     "EmptyStepError",
@@ -105,8 +114,10 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "memory_saver_installed",
     "policy_loss",
     "register_backend",
+    "resolve_offload_backend",
     "save_hf_checkpoint",
     "value_loss",
 ]

@@ -34,7 +34,19 @@ A ``Backend`` (one per worker per rank) must provide:
 * ``all_reduce_sum(values) -> list[float]``: sum plain floats over the data-parallel
   group (valid-token counts, metrics). Identity when ``dp_size == 1``.
 * ``release_process_groups()`` / ``restore_process_groups()``: called by the workers'
-  ``sleep``/``wake_up`` (e.g. to free NCCL buffers); both may be no-ops.
+  first ``sleep`` (resident -> asleep) and by every ``wake_up`` (also one on a resident
+  worker: a retry may follow a failure between the two). Release hands back the device
+  memory the backend's communicators hold and restore brings it back before anything
+  communicates; both are idempotent and collective (every rank of the worker group
+  calls them, in the same order). With NCCL both backends suspend their communicators'
+  buffers (``ProcessGroupNCCL.suspend()`` / ``resume()``, i.e. ``ncclCommSuspend`` /
+  ``ncclCommResume``, NCCL >= 2.29.7): the group objects stay valid, so nothing that
+  holds them (megatron's DDP, Transformer Engine) needs rebuilding; with an older NCCL
+  they stay resident (logged once). The torch backend's only group is the default one
+  (data parallel); megatron's are every group of the process. Several models in one
+  process share groups, so they are suspended only while all of them sleep
+  (:class:`ppo_trainer.CommunicatorSuspender`). Gloo (CPU) holds no device memory (TCP
+  sockets and small host buffers): nothing is released there.
 
 A ``FrozenModel`` must provide:
 
@@ -62,7 +74,14 @@ A ``FrozenModel`` must provide:
   back everything. The worker guarantees it never puts a part to sleep twice
   (idempotence lives in the worker); after ``wake_up`` every tensor holds exactly its
   old value and the accumulated gradients are untouched by a keep-gradients sleep.
-  Honour ``config.offload_backend`` (``auto`` / ``host_copy`` / ``torch_memory_saver``).
+  Honour ``config.offload_backend`` (``auto`` / ``host_copy`` / ``memory_saver``) as
+  :func:`ppo_trainer.resolve_offload_backend` resolves it on the backend's device
+  (``auto``: ``memory_saver`` on CUDA with torch_memory_saver installed where the backend
+  supports it, ``host_copy`` otherwise). The megatron backend supports ``host_copy``
+  only (megatron-core allocates its DDP buffers outside any memory-saver region): it
+  refuses ``memory_saver`` and reads ``auto`` as ``host_copy``. Either way sleep must
+  leave the memory usable by ANOTHER process (the host copy empties the CUDA caching
+  allocator; the memory saver unmaps its region).
 
 A ``TrainModel`` is a ``FrozenModel`` plus:
 

@@ -25,7 +25,9 @@ __all__ = [
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token", "sample")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-OFFLOAD_BACKENDS = ("auto", "host_copy", "torch_memory_saver")
+OFFLOAD_BACKENDS = ("auto", "host_copy", "memory_saver")
+# Accepted and normalised to their OFFLOAD_BACKENDS spelling (ppo_lifecycle's name).
+_OFFLOAD_ALIASES = {"torch_memory_saver": "memory_saver"}
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -109,7 +111,15 @@ class ModelSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class _TrainConfig:
-    """Fields the actor and the critic share (optimizer, schedule, batching, placement)."""
+    """Fields the actor and the critic share (optimizer, schedule, batching, placement).
+
+    ``offload_backend``: how ``sleep`` moves the model's memory off its device:
+    ``host_copy`` (a copy in host memory; every device), ``memory_saver`` (pauses
+    ``torch_memory_saver`` regions; CUDA with that package, torch backend only) or
+    ``auto`` (``memory_saver`` where it can run, ``host_copy`` otherwise; see
+    :func:`ppo_trainer.resolve_offload_backend`, which the backends call on the worker's
+    device). ``torch_memory_saver`` (``ppo_lifecycle``'s name) is read as ``memory_saver``.
+    """
 
     model: ModelSpec = field(default_factory=ModelSpec)
     backend: str = "torch"
@@ -163,11 +173,13 @@ class _TrainConfig:
             raise _bad(f"{p}.micro_batch_size", self.micro_batch_size, "use a positive integer")
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise _bad(f"{p}.loss_agg", self.loss_agg, f"use one of {LOSS_AGGREGATIONS}")
+        if self.offload_backend in _OFFLOAD_ALIASES:
+            object.__setattr__(self, "offload_backend", _OFFLOAD_ALIASES[self.offload_backend])
         if self.offload_backend not in OFFLOAD_BACKENDS:
             raise _bad(
                 f"{p}.offload_backend",
                 self.offload_backend,
-                f"use one of {OFFLOAD_BACKENDS} (torch_memory_saver: CUDA only)",
+                f"use one of {OFFLOAD_BACKENDS} (memory_saver: CUDA and torch_memory_saver only)",
             )
 
     def _prefix(self) -> str:

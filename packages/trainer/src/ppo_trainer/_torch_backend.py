@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import urllib.parse
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,13 @@ from ppo_trainer._backend import (
     sum_floats_over_ranks,
 )
 from ppo_trainer._config import ActorConfig, CriticConfig, ModelSpec
+from ppo_trainer._offload import (
+    CommunicatorSuspender,
+    SuspendableComm,
+    lifecycle_backend_name,
+    nccl_communicators,
+    resolve_offload_backend,
+)
 
 __all__ = [
     "TorchBackend",
@@ -50,6 +58,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_NAMES: Counter[str] = Counter()
+
+
+def _model_name(base: str) -> str:
+    """``base`` for the first model of that kind in this process, then ``base-1``, ...:
+    memory-saver regions are tagged by name and two live models may not share one."""
+    n = _MODEL_NAMES[base]
+    _MODEL_NAMES[base] += 1
+    return base if n == 0 else f"{base}-{n}"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -76,6 +93,7 @@ def build_causal_lm(spec: ModelSpec, *, device: torch.device | str = "cpu") -> n
     dtype = _TORCH_DTYPES[spec.dtype]
     if spec.path is not None:
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, use_safetensors=True)
+        _own_storage(model)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
@@ -85,15 +103,30 @@ def build_causal_lm(spec: ModelSpec, *, device: torch.device | str = "cpu") -> n
     return module.to(device).eval()
 
 
+def _own_storage(model: nn.Module) -> None:
+    """Give every tensor loaded from safetensors its own resizable storage (on CPU they
+    share the file's read-only mapping, which a sleep cannot release)."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
+
+
 def build_value_model(spec: ModelSpec, *, device: torch.device | str = "cpu") -> nn.Module:
     """The critic of ``spec``: base model + ``score`` head (``num_labels=1``, no dropout)."""
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     dtype = _TORCH_DTYPES[spec.dtype]
     if spec.path is not None:
-        model = AutoModelForTokenClassification.from_pretrained(
-            spec.path, num_labels=1, classifier_dropout=0.0, dtype=dtype, use_safetensors=True
-        )
+        # a causal-LM checkpoint gets a new head: seeded, so every data-parallel rank and
+        # every run draws the same one (a head already in the checkpoint is loaded)
+        config = AutoConfig.from_pretrained(spec.path, num_labels=1)
+        config.classifier_dropout = 0.0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed + 1)
+            model = AutoModelForTokenClassification.from_pretrained(
+                spec.path, config=config, dtype=dtype, use_safetensors=True
+            )
+        _own_storage(model)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed + 1)
@@ -160,7 +193,7 @@ class TorchFrozenModel:
             module,
             optimizer,
             device=device,
-            backend=offload_backend,  # type: ignore[arg-type]
+            backend=lifecycle_backend_name(offload_backend),  # type: ignore[arg-type]
             name=name,
             keep_gradients=keep_gradients,
         )
@@ -205,6 +238,7 @@ class TorchTrainModel(TorchFrozenModel):
         dp_size: int,
         name: str,
         keep_gradients: bool,
+        offload_backend: str | None = None,
     ) -> None:
         self.config = config
         self.dp_size = dp_size
@@ -231,7 +265,7 @@ class TorchTrainModel(TorchFrozenModel):
             kind=kind,
             device=device,
             name=name,
-            offload_backend=config.offload_backend,
+            offload_backend=offload_backend or config.offload_backend,
             optimizer=self.optimizer,
             keep_gradients=keep_gradients,
         )
@@ -408,7 +442,14 @@ def init_process_group(
 
 
 class TorchBackend:
-    """The ``torch`` backend on one rank (pure data parallelism)."""
+    """The ``torch`` backend on one rank (pure data parallelism).
+
+    ``offload_backend``: ``config.offload_backend`` resolved on this rank's device
+    (:func:`ppo_trainer.resolve_offload_backend`: ``auto`` is ``memory_saver`` on CUDA
+    with torch_memory_saver installed, ``host_copy`` otherwise). Process groups: the
+    data-parallel group is the default one; with NCCL its communicator is suspended
+    while the worker sleeps (see :meth:`release_process_groups`).
+    """
 
     name = "torch"
 
@@ -431,12 +472,20 @@ class TorchBackend:
             )
         self.config = config
         self.device = resolve_device(config.device)
+        role = "critic" if isinstance(config, CriticConfig) else "actor"
+        self.offload_backend = resolve_offload_backend(
+            config.offload_backend,
+            device=self.device,
+            backend="torch",
+            key=f"{role}.offload_backend",
+        )
         self.mesh = Mesh(
             rank, world_size, rank, world_size, tp_size=1, pp_size=1, tp_rank=0, pp_rank=0
         )
         init_process_group(
             rank=rank, world_size=world_size, dist_init_method=dist_init_method, device=self.device
         )
+        self.communicators = CommunicatorSuspender(self._communicators, name=role)
 
     def build_policy(self) -> TorchTrainModel:
         module = build_causal_lm(self.config.model, device=self.device)
@@ -446,8 +495,9 @@ class TorchBackend:
             device=self.device,
             config=self.config,
             dp_size=self.mesh.dp_size,
-            name="actor",
+            name=_model_name("actor"),
             keep_gradients=True,
+            offload_backend=self.offload_backend,
         )
 
     def build_reference(self) -> TorchFrozenModel:
@@ -457,8 +507,8 @@ class TorchBackend:
             module,
             kind="lm",
             device=self.device,
-            name="reference",
-            offload_backend=self.config.offload_backend,
+            name=_model_name("reference"),
+            offload_backend=self.offload_backend,
         )
 
     def build_critic(self) -> TorchTrainModel:
@@ -469,18 +519,29 @@ class TorchBackend:
             device=self.device,
             config=self.config,
             dp_size=self.mesh.dp_size,
-            name="critic",
+            name=_model_name("critic"),
             keep_gradients=False,
+            offload_backend=self.offload_backend,
         )
 
     def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
         return sum_floats_over_ranks(values, dp_size=self.mesh.dp_size, device=self.device)
 
+    def _communicators(self) -> list[SuspendableComm]:
+        if self.mesh.world_size == 1 or not dist.is_initialized():
+            return []
+        return nccl_communicators([dist.group.WORLD])
+
     def release_process_groups(self) -> None:
-        """No-op: the torch backend keeps its (small) process group across sleeps."""
+        """NCCL (CUDA): suspend the data-parallel communicator's device buffers
+        (``ncclCommSuspend``, collective: every rank sleeps together), once every model
+        of this process is asleep (:class:`ppo_trainer.CommunicatorSuspender`). Gloo
+        (CPU) holds no device memory: nothing to release. One rank: no group at all."""
+        self.communicators.release()
 
     def restore_process_groups(self) -> None:
-        """No-op (see ``release_process_groups``)."""
+        """Resume what :meth:`release_process_groups` suspended (idempotent)."""
+        self.communicators.restore()
 
 
 def create_backend(

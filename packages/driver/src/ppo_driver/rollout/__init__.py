@@ -3,6 +3,7 @@ buffer and the rollout manager. See the package README for the API walk-through.
 
 from ._buffer import ReplayBuffer, build_batch
 from ._embedded import EmbeddedEngine, launch_embedded_engines
+from ._eval import EvalResult, Evaluator
 from ._manager import GroupFailure, RolloutManager
 from ._model import build_model, tiny_qwen2_config
 from ._refit import (
@@ -18,9 +19,16 @@ from ._refit import (
     save_weights_to_disk,
 )
 from ._sampling import draw_tokens, generate_group, generate_rows, sample_seed
-from ._sglang import SglangEngine, parse_sglang_output
+from ._sglang import (
+    SglangEngine,
+    launch_sglang_engines,
+    materialize_model,
+    parse_sglang_output,
+)
 from ._task import (
+    REWARD_FORMS,
     TASK_ALPHABET,
+    DataError,
     PromptDataset,
     RewardError,
     RewardFailure,
@@ -28,11 +36,12 @@ from ._task import (
     ScoredGroup,
     load_jsonl,
     load_reward_fn,
+    read_jsonl,
     repeat_reward,
     score_group,
     synthetic_records,
 )
-from ._tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from ._tokenizer import CharTokenizer, HFTokenizer, Tokenizer, encode_prompt, load_tokenizer
 from ._types import (
     EngineHealth,
     EngineRestarted,
@@ -46,11 +55,15 @@ from ._types import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "REWARD_FORMS",
     "TASK_ALPHABET",
     "CharTokenizer",
+    "DataError",
     "EmbeddedEngine",
     "EngineHealth",
     "EngineRestarted",
+    "EvalResult",
+    "Evaluator",
     "FinishReason",
     "GroupFailure",
     "GroupOutput",
@@ -75,16 +88,20 @@ __all__ = [
     "build_model",
     "connect_group",
     "draw_tokens",
+    "encode_prompt",
     "generate_group",
     "generate_rows",
     "launch_embedded_engines",
+    "launch_sglang_engines",
     "load_jsonl",
     "load_reward_fn",
     "load_tokenizer",
     "load_weights_from_disk",
+    "materialize_model",
     "open_store",
     "parse_sglang_output",
     "plan_buckets",
+    "read_jsonl",
     "receive_state_dict",
     "repeat_reward",
     "sample_seed",

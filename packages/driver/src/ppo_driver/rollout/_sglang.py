@@ -1,23 +1,31 @@
 """The sglang engine (optional extra ``ppo-driver[sglang]``, GPU only): the same
 :class:`RolloutEngine` protocol over ``sglang.Engine`` (sglang 0.5.x offline API).
 
-Run it as a Ray actor on a rollout GPU bundle (``ray.remote(SglangEngine)`` with the
-bundle's scheduling strategy and ``num_gpus=1``). Weights arrive over the project's
-refit group (NCCL) into this actor's process and are handed to sglang with
-``update_weights_from_tensor`` (CUDA IPC on the same GPU); sglang's own
-``init_weights_update_group`` / ``update_weights_from_distributed`` and
+Run it as a Ray actor on a rollout GPU bundle (:func:`launch_sglang_engines`, or
+``ray.remote(SglangEngine)`` with the bundle's scheduling strategy and ``num_gpus=1``).
+Weights arrive over the project's refit group (:class:`WeightRefitter`: NCCL when the
+trainer and the engine have GPUs of their own, gloo when they share one) into this
+actor's process and are handed to sglang with its weight-update API,
+``update_weights_from_tensor`` (CUDA IPC to sglang's scheduler on the same GPU);
+sglang's own ``init_weights_update_group`` / ``update_weights_from_distributed`` and
 ``update_weights_from_disk`` are exposed too. Per-sample seeds go in sglang's
 ``sampling_seed``; results are bit-reproducible only with
 ``enable_deterministic_inference=True``.
+
+``sglang.Engine`` drives an asyncio event loop from the thread that calls it, and Ray
+runs a threaded actor's calls on a pool of threads: every call into sglang (its
+construction included) therefore runs on ONE thread the engine owns.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +44,7 @@ from ._types import (
 )
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _import_sglang() -> Any:
@@ -70,30 +79,65 @@ def parse_sglang_output(out: Mapping[str, Any]) -> SampleOutput:
     return SampleOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=reason)
 
 
+def materialize_model(model: Any, directory: str | None = None) -> str:
+    """A Hugging Face directory sglang can load for ``model``: its ``path`` when it has
+    one, else the tiny model of the spec written (``ppo_trainer.save_hf_checkpoint``)
+    into ``directory`` (default: a new temporary directory on this node). The same spec
+    and seed give the trainer's initial weights, so no refit is needed before the first
+    generation."""
+    if isinstance(model, str):
+        return model
+    if getattr(model, "path", None):
+        return str(model.path)
+    from ppo_trainer import build_causal_lm, save_hf_checkpoint
+
+    out = directory or tempfile.mkdtemp(prefix="ppo-sglang-model-")
+    weights = build_causal_lm(model).state_dict()
+    save_hf_checkpoint(weights=weights, spec=model, path=out)
+    return out
+
+
 class SglangEngine:
     """:class:`RolloutEngine` over ``sglang.Engine``.
 
     Args:
         model_path: a local HF model directory (sglang loads it).
+        model: instead of ``model_path``: a ``ppo_trainer.ModelSpec`` (its ``path``, or
+            its tiny model written to a temporary directory on this node, see
+            :func:`materialize_model`).
         run_seed: seeds each sample as in :class:`EmbeddedEngine`.
         engine_id: a name for logs and outputs.
         engine_kwargs: extra ``sglang.Engine`` server arguments (e.g.
-            ``mem_fraction_static``, ``enable_deterministic_inference``).
+            ``mem_fraction_static``, ``enable_deterministic_inference``). Defaults set
+            here: ``skip_tokenizer_init=True`` (token ids in and out),
+            ``enable_memory_saver=True`` (``release_memory`` needs it),
+            ``random_seed=run_seed``, ``log_level="error"``.
     """
 
     def __init__(
         self,
         *,
-        model_path: str,
+        model_path: str | None = None,
+        model: Any = None,
         run_seed: int,
         engine_id: str = "sglang",
         weight_version: int = 0,
         **engine_kwargs: Any,
     ) -> None:
         sgl = _import_sglang()
-        kwargs = {"enable_memory_saver": True, "random_seed": int(run_seed), "log_level": "error"}
+        if (model_path is None) == (model is None):
+            raise ValueError("SglangEngine: give exactly one of model_path and model")
+        kwargs = {
+            "enable_memory_saver": True,
+            "random_seed": int(run_seed),
+            "log_level": "error",
+            "skip_tokenizer_init": True,
+        }
         kwargs.update(engine_kwargs)
-        self.engine = sgl.Engine(model_path=model_path, **kwargs)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
+        path = model_path if model_path is not None else materialize_model(model)
+        self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
+        self._closed = False
         self.engine_id = engine_id
         self.run_seed = int(run_seed)
         self.weight_version = int(weight_version)
@@ -151,8 +195,11 @@ class SglangEngine:
                                 % (2**31),
                             }
                         )
-                raw = self.engine.generate(
-                    input_ids=input_ids, sampling_params=sampling, return_logprob=True
+                raw = self._call(
+                    self.engine.generate,
+                    input_ids=input_ids,
+                    sampling_params=sampling,
+                    return_logprob=True,
                 )
                 self.groups_served += len(requests)
         finally:
@@ -189,7 +236,7 @@ class SglangEngine:
             if self._released:
                 _log.info("engine %s: already released", self.engine_id)
                 return
-            self.engine.release_memory_occupation()
+            self._call(self.engine.release_memory_occupation)
             self._released = True
 
     def resume_memory(self) -> None:
@@ -197,7 +244,7 @@ class SglangEngine:
             if not self._released:
                 _log.info("engine %s: already resident", self.engine_id)
                 return
-            self.engine.resume_memory_occupation()
+            self._call(self.engine.resume_memory_occupation)
             self._released = False
 
     def health(self) -> EngineHealth:
@@ -212,9 +259,17 @@ class SglangEngine:
             needs_weights=self._needs_weights,
         )
 
+    def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` on the engine's own thread (see the module docstring)."""
+        return self._thread.submit(fn, *args, **kwargs).result()
+
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Hand ``tensors`` to sglang (``update_weights_from_tensor``): CUDA tensors go by
+        CUDA IPC; CPU ones (a gloo refit) are moved to this process's GPU first."""
+        if torch.cuda.is_available():
+            tensors = {k: v.cuda() if not v.is_cuda else v for k, v in tensors.items()}
         with self._lock:
-            self.engine.update_weights_from_tensor(named_tensors=list(tensors.items()))
+            self._call(self.engine.update_weights_from_tensor, named_tensors=list(tensors.items()))
             self.weight_version = int(version)
             self._needs_weights = False
         return self.weight_version
@@ -238,6 +293,11 @@ class SglangEngine:
         backend: str,
         group_name: str,
     ) -> None:
+        local = master_addr
+        if master_addr not in ("127.0.0.1", "localhost"):  # another node: bind this one's
+            import ray
+
+            local = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
         self._groups[group_name] = connect_group(
             store=None,
             master_addr=master_addr,
@@ -245,6 +305,7 @@ class SglangEngine:
             rank=rank,
             world_size=world_size,
             backend=backend,
+            local_addr=local,
         )
 
     def receive_weights(self, *, group_name: str) -> int:
@@ -257,15 +318,15 @@ class SglangEngine:
             raise ValueError(
                 f"engine {self.engine_id}: {path} holds version {disk_version}, not {version}"
             )
-        return self._apply(version, {k: v.cuda() for k, v in tensors.items()})
+        return self._apply(version, tensors)
 
     # sglang-native transports, for drivers that speak sglang's own protocol
     def init_weights_update_group(self, **kwargs: Any) -> Any:
-        return self.engine.init_weights_update_group(**kwargs)
+        return self._call(self.engine.init_weights_update_group, **kwargs)
 
     def update_weights_from_distributed(self, *, version: int, **kwargs: Any) -> int:
         with self._lock:
-            self.engine.update_weights_from_distributed(**kwargs)
+            self._call(self.engine.update_weights_from_distributed, **kwargs)
             self.weight_version = int(version)
             self._needs_weights = False
         return self.weight_version
@@ -273,10 +334,71 @@ class SglangEngine:
     def update_weights_from_hf_dir(self, model_path: str, *, version: int) -> int:
         """sglang's ``update_weights_from_disk`` (a full HF model directory)."""
         with self._lock:
-            self.engine.update_weights_from_disk(model_path)
+            self._call(self.engine.update_weights_from_disk, model_path)
             self.weight_version = int(version)
             self._needs_weights = False
         return self.weight_version
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop sglang's processes (idempotent); the actor itself stays until killed."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.engine.shutdown)
+        finally:
+            self._thread.shutdown(wait=False)
+
+
+def launch_sglang_engines(
+    count: int,
+    *,
+    model: Any,
+    run_seed: int,
+    scheduling_strategies: Sequence[Any] | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 1,
+    max_restarts: int = -1,
+    max_concurrency: int = 64,
+    name_prefix: str = "sglang",
+    engine_kwargs: Mapping[str, Any] | None = None,
+) -> list[Any]:
+    """Start ``count`` :class:`SglangEngine` Ray actors, like
+    :func:`launch_embedded_engines`: ``scheduling_strategies[i]`` (a rollout bundle's)
+    places engine ``i``; Ray restarts a dead engine (``max_restarts``, ``-1``: always)
+    and retries no call in flight (the rollout manager re-dispatches its groups).
+
+    ``model``: a local HF directory, or a ``ppo_trainer.ModelSpec`` (its path, or its
+    tiny model written on the engine's node: :func:`materialize_model`).
+    ``engine_kwargs``: ``sglang.Engine`` server arguments for every engine.
+    """
+    import ray
+
+    if count < 1:
+        raise ValueError(f"count={count}: start at least one engine")
+    if scheduling_strategies is not None and len(scheduling_strategies) != count:
+        raise ValueError(
+            f"got {len(scheduling_strategies)} scheduling strategies for {count} engines"
+        )
+    cls = ray.remote(SglangEngine)
+    handles = []
+    for i in range(count):
+        opts: dict[str, Any] = {
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            "max_restarts": max_restarts,
+            "max_task_retries": 0,
+            "max_concurrency": max_concurrency,
+        }
+        if scheduling_strategies is not None:
+            opts["scheduling_strategy"] = scheduling_strategies[i]
+        source = {"model_path": model} if isinstance(model, str) else {"model": model}
+        handles.append(
+            cls.options(**opts).remote(
+                **source,
+                run_seed=run_seed,
+                engine_id=f"{name_prefix}-{i}",
+                **dict(engine_kwargs or {}),
+            )
+        )
+    return handles

@@ -1,4 +1,5 @@
-"""Prompts (JSONL or the built-in synthetic task) and pluggable rewards.
+"""Prompts (JSONL or the built-in synthetic task) and pluggable rewards (a module's
+function or a Python file's).
 
 The built-in task, *repeat*: the prompt ``"c7:"`` asks for the letter ``c`` written
 exactly 7 times and then the end-of-sequence token. Counts vary per prompt (1 to
@@ -15,19 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import math
 import queue
 import random
+import re
+import sys
 import threading
+import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._tokenizer import Tokenizer
+from ._tokenizer import Tokenizer, encode_prompt
 from ._types import GroupOutput
 
 RewardFn = Callable[..., float | Awaitable[float]]
@@ -68,31 +74,125 @@ def synthetic_records(*, num_prompts: int, seed: int, max_count: int = 12) -> li
     return out
 
 
-def load_jsonl(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Records from a JSONL file, one JSON object per line, each with ``prompt_key``
-    (a string) plus whatever fields the reward needs. Blank lines are skipped."""
+class DataError(ValueError):
+    """A prompt data set that cannot be used: ``problem`` names the file and each bad
+    line (up to :data:`MAX_REPORTED_LINES`), ``fix`` says what to do."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}; {fix}")
+
+
+MAX_REPORTED_LINES = 5
+"""The most bad lines one :class:`DataError` lists (then how many more there are)."""
+
+
+def _prompt_problem(value: Any, prompt_key: str, *, messages: bool) -> str | None:
+    """What is wrong with a record's prompt value (None: nothing)."""
+    if isinstance(value, str):
+        return None if value else f"{prompt_key!r} is an empty string"
+    if not messages:
+        return f"{prompt_key!r} must be a string, not {type(value).__name__}"
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
+    if ok:
+        return None
+    return (
+        f"{prompt_key!r} must be a string or a non-empty list of "
+        '{"role": str, "content": str} messages'
+    )
+
+
+def read_jsonl(
+    path: str | Path, *, prompt_key: str = "prompt", messages: bool = False
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a JSONL file and the line number of each.
+
+    One JSON object per line, each with ``prompt_key``: a non-empty string, or (with
+    ``messages``, i.e. the chat template applies) also a list of ``{"role", "content"}``
+    messages; any other fields are kept for the reward. Blank lines are skipped.
+    Raises :class:`DataError` naming the file: missing, not a file, unreadable, not
+    UTF-8, no records, or each bad line (not JSON, not an object, no usable prompt).
+    """
+    src = Path(path)
+    fix = (
+        f"write one JSON object per line, each with a {prompt_key!r} field (e.g. "
+        f'{{"{prompt_key}": "What is 2 + 3?", "answer": 5}}); blank lines are skipped'
+    )
+    if not src.exists():
+        raise DataError(f"{src} does not exist", "check the path")
+    if not src.is_file():
+        raise DataError(f"{src} is not a file", "point at the JSONL file itself")
+    try:
+        raw = src.read_bytes()
+    except OSError as exc:
+        raise DataError(
+            f"{src} cannot be read ({exc.strerror or exc})", "fix its permissions"
+        ) from None
     records: list[dict[str, Any]] = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    lines: list[int] = []
+    bad: list[str] = []
+    for lineno, line_bytes in enumerate(raw.splitlines(), start=1):
+        try:
+            line = line_bytes.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad.append(f"{src}:{lineno}: not UTF-8 (byte offset {exc.start} in the line)")
+            continue
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get(prompt_key), str):
-            raise ValueError(
-                f"{path}:{lineno}: each line must be a JSON object with a string "
-                f"{prompt_key!r} field"
-            )
+            bad.append(f"{src}:{lineno}: not valid JSON ({exc.msg}, column {exc.colno})")
+            continue
+        if not isinstance(obj, dict):
+            bad.append(f"{src}:{lineno}: a JSON {type(obj).__name__}, not an object")
+            continue
+        if prompt_key not in obj:
+            keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
+            bad.append(f"{src}:{lineno}: no {prompt_key!r} field (its keys: {keys})")
+            continue
+        problem = _prompt_problem(obj[prompt_key], prompt_key, messages=messages)
+        if problem is not None:
+            bad.append(f"{src}:{lineno}: {problem}")
+            continue
         records.append(obj)
+        lines.append(lineno)
+    if bad:
+        raise DataError(_bad_lines(bad), fix)
     if not records:
-        raise ValueError(f"{path}: no records")
-    return records
+        raise DataError(f"{src} holds no records (it is empty or only blank lines)", fix)
+    return records, lines
+
+
+def _bad_lines(bad: Sequence[str]) -> str:
+    more = len(bad) - MAX_REPORTED_LINES
+    shown = "; ".join(bad[:MAX_REPORTED_LINES]) + (f"; and {more} more" if more > 0 else "")
+    return f"{len(bad)} bad line(s): {shown}"
+
+
+def load_jsonl(
+    path: str | Path, *, prompt_key: str = "prompt", messages: bool = False
+) -> list[dict[str, Any]]:
+    """The records of a JSONL file (see :func:`read_jsonl`)."""
+    return read_jsonl(path, prompt_key=prompt_key, messages=messages)[0]
 
 
 class PromptDataset:
     """Prompt records addressed by a global prompt index (wrapping around epochs).
-    Prompt text is encoded with ``tokenizer.encode``."""
+
+    Prompts are encoded once, with ``tokenizer.encode`` or, with ``chat_template``, the
+    tokenizer's chat template (:func:`encode_prompt`). ``source`` and ``lines`` name
+    where each record came from in errors (:meth:`from_jsonl` sets them).
+    """
 
     def __init__(
         self,
@@ -100,13 +200,57 @@ class PromptDataset:
         tokenizer: Tokenizer,
         *,
         prompt_key: str = "prompt",
+        chat_template: bool = False,
+        source: str | None = None,
+        lines: Sequence[int] | None = None,
     ) -> None:
         if not records:
             raise ValueError("PromptDataset needs at least one record")
         self.records = [dict(r) for r in records]
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
-        self._ids = [tuple(tokenizer.encode(str(r[prompt_key]))) for r in self.records]
+        self.chat_template = chat_template
+        ids: list[tuple[int, ...]] = []
+        bad: list[str] = []
+        for i, r in enumerate(self.records):
+            where = f"{source}:{lines[i]}" if source and lines else f"record {i}"
+            try:
+                encoded = encode_prompt(tokenizer, r[prompt_key], chat_template=chat_template)
+            except Exception as exc:  # the tokenizer's or its chat template's refusal
+                bad.append(f"{where}: the prompt cannot be encoded ({type(exc).__name__}: {exc})")
+                continue
+            if not encoded:
+                bad.append(f"{where}: the prompt encodes to no tokens")
+            ids.append(tuple(encoded))
+        if bad:
+            raise DataError(
+                _bad_lines(bad),
+                "change those prompts, or use a tokenizer that encodes them (the built-in "
+                "task's character tokenizer knows only its own alphabet: set "
+                "policy.model_path to a Hugging Face model directory with its tokenizer)",
+            )
+        self._ids = ids
+
+    @classmethod
+    def from_jsonl(
+        cls,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        chat_template: bool = False,
+    ) -> PromptDataset:
+        """The records of a JSONL file (:func:`read_jsonl`), encoded; every error names
+        the file and line."""
+        records, lines = read_jsonl(path, prompt_key=prompt_key, messages=chat_template)
+        return cls(
+            records,
+            tokenizer,
+            prompt_key=prompt_key,
+            chat_template=chat_template,
+            source=str(path),
+            lines=lines,
+        )
 
     def __len__(self) -> int:
         return len(self.records)
@@ -118,21 +262,55 @@ class PromptDataset:
         return self._ids[prompt_index % len(self._ids)]
 
 
+REWARD_FORMS = "'package.module:function' or 'path/to/file.py:function'"
+
+
 def load_reward_fn(path: str) -> RewardFn:
-    """Resolve ``"package.module:function"``."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {path!r}: use the form 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"reward function {path!r}: cannot import {module_name!r} ({exc})"
-        ) from exc
+    """Resolve ``"package.module:function"`` (imported like any module) or
+    ``"path/to/file.py:function"`` (a Python file, relative to the working directory,
+    imported under a private module name, so it needs no package or ``PYTHONPATH``; its
+    own imports resolve against ``sys.path`` as usual, its directory is not added).
+    ``ValueError`` when it cannot be found; an exception the module raises while it is
+    imported propagates."""
+    source, sep, attr = path.rpartition(":")
+    if not sep or not source or not attr:
+        raise ValueError(f"reward function {path!r}: use the form {REWARD_FORMS}")
+    if source.endswith(".py") or "/" in source or "\\" in source:
+        module = _import_file(source, spec=path)
+        where = str(source)
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ImportError as exc:
+            raise ValueError(f"reward function {path!r}: cannot import {source!r} ({exc})") from exc
+        where = repr(source)
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise ValueError(f"reward function {path!r}: {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"reward function {path!r}: {where} has no callable {attr!r}")
     return fn  # type: ignore[no-any-return]
+
+
+def _import_file(source: str, *, spec: str) -> types.ModuleType:
+    """Execute the Python file ``source`` as a fresh module (registered in
+    ``sys.modules`` under a name derived from its absolute path)."""
+    file = Path(source).expanduser().resolve()
+    if not file.is_file():
+        state = "is not a file" if file.exists() else "does not exist"
+        raise ValueError(f"reward function {spec!r}: {source} ({file}) {state}")
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:10]
+    stem = re.sub(r"\W", "_", file.stem)
+    name = f"ppo_reward_{stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward function {spec!r}: {file} cannot be imported as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # before running it: dataclasses, pickle find it there
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
 
 
 class RewardError(RuntimeError):

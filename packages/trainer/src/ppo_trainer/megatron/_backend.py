@@ -44,6 +44,13 @@ from ppo_trainer._backend import (
     sum_floats_over_ranks,
 )
 from ppo_trainer._config import ActorConfig, CriticConfig
+from ppo_trainer._offload import (
+    CommunicatorSuspender,
+    SuspendableComm,
+    nccl_communicators,
+    process_groups,
+    resolve_offload_backend,
+)
 from ppo_trainer._torch_backend import (
     build_causal_lm,
     build_value_model,
@@ -735,12 +742,14 @@ class MegatronBackend:
                 f"`te` extra: install it or set {self.opts.prefix}.transformer_impl='local'"
             )
         self.use_te = te_ok if impl == "auto" else impl == "transformer_engine"
-        if config.offload_backend not in ("auto", "host_copy"):
-            raise ValueError(
-                f"{role}.offload_backend={config.offload_backend!r} is not supported by the "
-                "megatron backend (its DDP buffers are allocated by megatron-core, outside a "
-                f"memory-saver region): set {role}.offload_backend='host_copy' or 'auto'"
-            )
+        # host_copy only (memory_saver refused with the fix; auto is host_copy here): the
+        # models below are built with ppo_lifecycle's storage-level host copies.
+        self.offload_backend = resolve_offload_backend(
+            config.offload_backend,
+            device=self.device,
+            backend="megatron",
+            key=f"{role}.offload_backend",
+        )
         seed = self.opts.seed if self.opts.seed is not None else config.model.seed
         with _megatron_call():
             _init_distributed(
@@ -759,6 +768,9 @@ class MegatronBackend:
             ps.get_pipeline_model_parallel_world_size(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
+        )
+        self.communicators = CommunicatorSuspender(
+            self._communicators, name="critic" if role == "critic" else "actor"
         )
 
     # -- models -------------------------------------------------------------------------
@@ -837,11 +849,24 @@ class MegatronBackend:
             group=ps.get_data_parallel_group(),
         )
 
+    @staticmethod
+    def _communicators() -> list[SuspendableComm]:
+        # Every group of the process (megatron's parallel_state groups and the default
+        # one), in creation order: the same on every rank.
+        return nccl_communicators(process_groups())
+
     def release_process_groups(self) -> None:
-        """No-op: megatron's process groups are shared by the actor and the critic."""
+        """NCCL (CUDA): suspend the device buffers of every NCCL communicator of the
+        process (``ncclCommSuspend``; the group objects megatron's DDP, optimizer and
+        Transformer Engine layers hold stay valid), once every model of this process is
+        asleep: an actor and a critic in one process share megatron's groups
+        (:class:`ppo_trainer.CommunicatorSuspender`). Gloo (CPU) holds no device memory:
+        nothing to release."""
+        self.communicators.release()
 
     def restore_process_groups(self) -> None:
-        """No-op (see ``release_process_groups``)."""
+        """Resume what :meth:`release_process_groups` suspended (idempotent)."""
+        self.communicators.restore()
 
 
 def create_backend(
