@@ -40,12 +40,11 @@ from driver_testlib import TINY_RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
-RAY = Path(sys.executable).with_name("ray")
-# `ray start --address=127.0.0.1:PORT` on a second node: Ray replaces a loopback GCS
-# address by the machine's routable one (services.resolve_ip_for_localhost), and its
-# switch against that (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) also refuses worker nodes.
-# The test keeps every connection on loopback: the same `ray start` command, with that
-# one replacement turned off.
+# `ray start` replaces a loopback address (`--node-ip-address=127.0.0.1`, and a second
+# node's `--address=127.0.0.1:PORT`) by the machine's routable one
+# (services.resolve_ip_for_localhost), and its switch against that
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) refuses worker nodes. The test keeps every
+# connection on loopback: the same `ray start` command, with that one replacement off.
 RAY_START_LOOPBACK = (
     "import sys; import ray._private.services as s; "
     "s.resolve_ip_for_localhost = lambda host: host; "
@@ -86,7 +85,7 @@ class _Node:
 
     name: str
     args: list[str]
-    command: list[str] = field(default_factory=lambda: [str(RAY)])
+    command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ppo-rn-", dir="/tmp"))
     proc: subprocess.Popen[bytes] | None = None
@@ -119,6 +118,10 @@ class _Node:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
+
+    def started(self) -> bool:
+        """`ray start` printed that the node is up (GCS, raylet and agents)."""
+        return self.log.exists() and "Ray runtime started." in self.log.read_text(errors="replace")
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -249,6 +252,7 @@ def cluster() -> Iterator[_Cluster]:
         ["--head", f"--port={port}", f"--ray-client-server-port={client_port}",
          f"--dashboard-port={dashboard_port}",
          "--include-dashboard=false", '--resources={"ppo_test_head": 1}'],
+        command=[sys.executable, "-c", RAY_START_LOOPBACK],
         env=env,
     )  # fmt: skip
     address = f"127.0.0.1:{port}"
@@ -260,8 +264,11 @@ def cluster() -> Iterator[_Cluster]:
     )
     try:
         head.start()
-        _wait_for("the head node's GCS", lambda: _reachable(port), [head], START_TIMEOUT_S)
+        _wait_for(
+            "the head node", lambda: head.started() and _reachable(port), [head], START_TIMEOUT_S
+        )
         second.start()
+        _wait_for("the second node", second.started, [head, second], START_TIMEOUT_S)
         found = _Cluster(address, head, second, env)
         nodes = found.observe(wait_s=START_TIMEOUT_S)["nodes"]
         if len(nodes) < 2:

@@ -1,10 +1,11 @@
 """``ppo-driver train`` on a user's own workload, through the real command line.
 
-One ``python -m ppo_driver.cli train`` process (its own local Ray cluster) trains the
-tiny Hugging Face model of ``workload_testlib`` (its own BPE tokenizer and chat
-template) on JSONL prompts with a reward from a plain Python file, streaming, for 3
-steps, and evaluates the held-out prompts greedily every 2 steps (and after the last).
-Only what the run writes is read: ``metrics.jsonl`` and its stderr.
+``python -m ppo_driver.cli train`` (its own local Ray cluster) trains the tiny Hugging
+Face model of ``workload_testlib`` (its own BPE tokenizer and chat template) on JSONL
+prompts with a reward from a plain Python file, streaming, for 2 steps, then
+``--resume``s to 3, evaluating the held-out prompts greedily every 2 steps (and after
+the last); the trained policy exported to ``<run>/hf/`` loads back with transformers.
+Only what the runs write is read: ``metrics.jsonl``, ``hf/`` and their stderr.
 
 ``slow``: one process start (Ray, three model builds, engines) is most of a minute on
 the 2-core machine.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_STEPS = 3
 EVAL_EVERY = 2
 OVERRIDES = [
-    f"run.num_steps={NUM_STEPS}",
-    "run.checkpoint_every=0",
+    "run.checkpoint_every=1",
     "ppo.num_prompts_per_step=4",
     "ppo.num_generations_per_prompt=2",
     "ppo.critic_mini_batch_size=8",
@@ -40,14 +41,24 @@ OVERRIDES = [
 ]
 
 
-def test_cli_trains_a_user_workload_and_evaluates_it(tmp_path: Path) -> None:
-    files = make_workload(tmp_path / "workload")
-    run_dir = tmp_path / "run"
+def _train(run_dir: Path, files: dict[str, Path], *extra: str) -> str:
     cmd = [sys.executable, "-m", "ppo_driver.cli", "train", "--run-dir", str(run_dir)]
     cmd += ["--no-progress", *workload_overrides(files, eval_every=EVAL_EVERY), *OVERRIDES]
+    cmd += list(extra)
     env = {k: v for k, v in os.environ.items() if k != "PPO_DRIVER_FAIL_AT"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=800, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)} -> exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    return proc.stderr
+
+
+def test_cli_trains_a_user_workload_resumes_and_exports_it(tmp_path: Path) -> None:
+    files = make_workload(tmp_path / "workload")
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, files, f"run.num_steps={NUM_STEPS - 1}")
+    second = _train(run_dir, files, f"run.num_steps={NUM_STEPS}", "--resume")
+    assert "resumed from step_000002" in second
+    closing = [int(m) for m in re.findall(r"closing on (\d+) chunk", first + second)]
+    assert len(closing) == NUM_STEPS and max(closing) > 1, closing  # streaming in some step
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(NUM_STEPS))  # every step once
@@ -64,4 +75,13 @@ def test_cli_trains_a_user_workload_and_evaluates_it(tmp_path: Path) -> None:
             assert row["eval/prompts"] == 6 and row["eval/reward_failures"] == 0
             assert 0.0 <= row["eval/reward_mean"] <= 1.0 and math.isfinite(row["eval/reward_mean"])
             assert row["eval/weight_version"] == done  # the policy this step trained
-    assert f"eval after step {EVAL_EVERY}: reward mean" in proc.stderr
+    assert f"eval after step {EVAL_EVERY}: reward mean" in first
+
+    # the trained policy, exported at the end, loads back with transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = run_dir / "hf"
+    model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
+    ids = tokenizer("1+2=", return_tensors="pt")["input_ids"]
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size

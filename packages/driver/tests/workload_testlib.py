@@ -7,33 +7,30 @@ training and held-out prompt files, and a reward in a plain Python file."""
 
 from __future__ import annotations
 
-import json
-import random
-from collections.abc import Iterable, Mapping
+import importlib.util
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ppo_trainer import ModelSpec, build_causal_lm
+_EXAMPLE = Path(__file__).parents[3] / "examples" / "make_tiny_workload.py"
+_spec = importlib.util.spec_from_file_location("make_tiny_workload", _EXAMPLE)
+assert _spec is not None and _spec.loader is not None
+example: Any = importlib.util.module_from_spec(_spec)
+sys.modules["make_tiny_workload"] = example
+_spec.loader.exec_module(example)
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|end|>"]
-"""The tokenizer's special tokens: pad, bos, eos, unk, and an end-of-turn token that
-generation_config.json lists as a second stop token."""
+# the README's example IS the tests' workload
+CHAT_TEMPLATE = example.CHAT_TEMPLATE
+SPECIALS = example.SPECIALS
+arithmetic_records = example.arithmetic_records
+write_jsonl = example.write_jsonl
+make_tokenizer = example.make_tokenizer
+make_model_dir = example.make_model_dir
 
-REWARD_SOURCE = '''\
-"""A user's reward: partial credit for the answer's digits, full credit for the answer."""
-
-
-def reward(*, response, record, finish_reason):
-    answer = str(record["answer"])
-    if response.strip() == answer and finish_reason == "stop":
-        return 1.0
-    hits = sum(1 for ch in answer if ch in response)
-    return 0.5 * hits / len(answer)
-
+REWARD_SOURCE = (
+    example.REWARD_FILE.read_text()
+    + """
 
 async def async_reward(*, response, record, finish_reason):
     return reward(response=response, record=record, finish_reason=finish_reason)
@@ -44,86 +41,16 @@ def positional(text):
 
 
 NOT_CALLABLE = 3
-'''
-
-
-def arithmetic_records(n: int, *, seed: int) -> list[dict[str, Any]]:
-    """``{"prompt": "3+4=", "answer": "7", "a": 3, "b": 4}`` records."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "a": a, "b": b})
-    return out
-
-
-def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(dict(r)) + "\n" for r in records))
-    return path
-
-
-def make_tokenizer(path: Path, *, chat_template: bool = True) -> Any:
-    """Train a byte-level BPE over arithmetic text and save it to ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = [f"{r['prompt']}{r['answer']}" for r in arithmetic_records(400, seed=1)]
-    corpus += ["What is the sum?", "The answer is", "user assistant system"] * 20
-    raw = Tokenizer(models.BPE(unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(corpus, trainer)
-    fast_cls: Any = PreTrainedTokenizerFast
-    tok = fast_cls(
-        tokenizer_object=raw,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|end|>"],
-    )
-    if chat_template:
-        tok.chat_template = CHAT_TEMPLATE
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(path))
-    return tok
-
-
-def make_model_dir(path: Path, *, chat_template: bool = True, seed: int = 0) -> Path:
-    """A tiny random Qwen2 + its tokenizer in one Hugging Face directory (a plain
-    causal-LM checkpoint: the critic loads it with a new value head)."""
-    tok = make_tokenizer(path, chat_template=chat_template)
-    spec = ModelSpec(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        seed=seed,
-    )
-    model: Any = build_causal_lm(spec)
-    model.config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")]
-    model.generation_config.eos_token_id = model.config.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(path))
-    return path
+"""
+)
 
 
 def make_workload(root: Path) -> dict[str, Path]:
-    """Model directory, train and eval JSONL files and a reward file under ``root``."""
-    model = make_model_dir(root / "model")
-    train = write_jsonl(root / "train.jsonl", arithmetic_records(64, seed=2))
-    held_out = write_jsonl(root / "eval.jsonl", arithmetic_records(6, seed=3))
-    reward = root / "my_reward.py"
-    reward.write_text(REWARD_SOURCE)
-    return {"model": model, "train": train, "eval": held_out, "reward": reward}
+    """Model directory, train and eval JSONL files and a reward file (with extra functions
+    the validation tests refuse) under ``root``."""
+    files: dict[str, Path] = example.make_workload(root)
+    files["reward"].write_text(REWARD_SOURCE)
+    return files
 
 
 def workload_overrides(files: Mapping[str, Path], *, eval_every: int = 1) -> list[str]:

@@ -234,6 +234,15 @@ class TrainPump:
             with self.trace.span("refit", step=self.completed_steps, phase="refit"):
                 self.generation.refit(version=self.weight_version)
 
+    def export_policy(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under Hugging Face names (a collective over the actor
+        group, between steps; the actor is woken if needed)."""
+        if self.in_update:
+            raise RuntimeError("export_policy inside an update: export between steps")
+        weights = self._call(Role.ACTOR, Phase.REFIT, "export_weights", self.completed_steps)
+        exported: dict[str, torch.Tensor] = weights.values[0]
+        return exported
+
     # ---------------------------------------------------------------- one step
     def run_step(self) -> StepReport:
         """One PPO step; a worker's refusal of a non-finite loss or gradient norm (raised

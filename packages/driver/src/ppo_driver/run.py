@@ -42,7 +42,8 @@ from ppo_placement import (
     start_local_ray,
 )
 from ppo_sampler import Sampler, make_sampler
-from ppo_trainer import ActorWorker, CriticWorker, ModelSpec
+from ppo_trainer import ActorWorker, CriticWorker, ModelSpec, save_hf_checkpoint
+from transformers import AutoTokenizer
 
 from ppo_driver.checkpoint import (
     CheckpointDamaged,
@@ -684,6 +685,7 @@ class _Built:
     trace: TraceRecorder
     pump: TrainPump
     evaluator: Evaluator | None = None  # rollout.eval_dataset_path, every run.eval_every steps
+    policy_spec: ModelSpec | None = None  # what the HF export at the end describes
 
 
 def _run(
@@ -818,7 +820,16 @@ def _build(
             timeout_s=cfg.rollout.reward_timeout_s,
         )
     return _Built(
-        actor, critic, engines, generation, sampler, manager, trace, pump, evaluator=evaluator
+        actor,
+        critic,
+        engines,
+        generation,
+        sampler,
+        manager,
+        trace,
+        pump,
+        evaluator=evaluator,
+        policy_spec=actor_cfg.model,
     )
 
 
@@ -1000,7 +1011,31 @@ def _loop(
                     cfg, built, run_dir / "checkpoints", step_done=pump.completed_steps,
                     fail_at=fail_at,
                 )  # fmt: skip
+    if result.reports:  # the trained policy as a Hugging Face directory
+        with guard.deferred():
+            _export_policy(cfg, built, run_dir / "hf")
     return result
+
+
+def _export_policy(cfg: DriverConfig, built: _Built, out: Path) -> None:
+    """``<run dir>/hf/``: ``config.json`` + ``model.safetensors`` of the trained policy
+    (loads with ``AutoModelForCausalLM.from_pretrained``), with the tokenizer files when
+    the policy came from ``policy.model_path`` (the built-in task's character tokenizer
+    is not a Hugging Face one). Written aside, then renamed over the previous export."""
+    assert built.policy_spec is not None
+    weights = built.pump.export_policy()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(weights=weights, spec=built.policy_spec, path=tmp, role="policy")
+    source = cfg.policy.model_path
+    if source is not None:
+        AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(str(tmp))
+        generation = Path(source) / "generation_config.json"
+        if generation.is_file():
+            shutil.copy2(generation, tmp / generation.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("policy exported to %s (Hugging Face format)", out)
 
 
 def _summary(result: RunResult, cfg: DriverConfig) -> None:

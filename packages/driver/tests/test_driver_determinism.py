@@ -1,0 +1,156 @@
+"""Same seed + same config + same mode -> the same run: identical rewards in
+``metrics.jsonl`` and a bitwise identical final actor and critic (weights, Adam moments,
+step counts, scheduler), full-batch and streaming, one and two data-parallel ranks.
+
+Each row trains the same config twice on one local Ray cluster and compares:
+
+* every step's ``rollout/reward_mean``, ``rollout/reward_max`` and
+  ``rollout/response_len_mean`` in ``metrics.jsonl``, exactly;
+* every file of the final checkpoint's ``actor/`` and ``critic/`` (all ranks), byte for
+  byte (the manifest's sha256); a difference names the tensors that differ and by how
+  much. The driver's own part of the checkpoint (``driver.json``, ``tensors.safetensors``)
+  is not compared: it holds the replay rows the NEXT step had already generated when the
+  checkpoint was taken, which depends on timing and not on the training.
+
+What makes a run reproducible: per-sample sampling seeds (``sample_seed``), generation
+whose every row is bitwise independent of the rows sharing its batch (the embedded
+engine, tested in ``test_rollout_units.py``), and a training batch whose rows are in the
+same order in every run. The last one is what failed: the replay buffer built each
+chunk's rows in the order the groups ARRIVED from the engine (the sampler's claim order),
+so two runs summed the same per-sample gradients in different orders; float32 addition
+is not associative, the weights differed in their last bits after the first update
+(grad norm ~1e-7 apart), and a few steps later a sampled token flipped and the runs went
+apart. Fixed by claiming every chunk's groups in prompt-index order.
+
+Streaming: where a chunk boundary falls depends on when groups finish, i.e. on timing,
+and with ``normalize_advantages`` the advantages are whitened per chunk (the streaming
+document's rule), so two streaming runs are identical only when their steps were cut
+into the same chunks. The streaming rows make generation slow enough
+(``rollout.decode_delay_s``) that groups arrive in waves well apart, so both runs cut the
+same chunks, and they check that first (``train/chunk_groups``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from ppo_driver.config import load_config
+from ppo_driver.run import train
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.timeout(1800)
+
+TINY = [
+    "run.progress=false",
+    "run.checkpoint_every=0",  # one checkpoint, at the end
+    "ppo.num_prompts_per_step=8",
+    "ppo.num_generations_per_prompt=4",
+    "ppo.critic_mini_batch_size=16",
+    "async_rl.sampler.max_lookahead_versions=0",
+    *(
+        f"{role}.{key}={value}"
+        for role in ("policy", "critic")
+        for key, value in (
+            ("hidden_size", 32),
+            ("intermediate_size", 64),
+            ("num_hidden_layers", 1),
+            ("num_attention_heads", 2),
+            ("num_key_value_heads", 1),
+        )
+    ),
+]
+FULL_BATCH = ["async_rl.min_groups_for_streaming_train=8", "ppo.ppo_epochs=2"]
+# Waves: every group of a step decodes in one round, and a group finishes at the decode
+# step of its longest sample; 0.15 s per decode step leaves each wave's groups well
+# apart from the next wave's, longer than a chunk's training takes here.
+STREAMING = [
+    "async_rl.min_groups_for_streaming_train=2",
+    "rollout.decode_delay_s=0.15",
+    "rollout.max_new_tokens=8",
+]
+COMPARED = ("rollout/reward_mean", "rollout/reward_max", "rollout/response_len_mean")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    from ppo_placement import shutdown_local_ray, start_local_ray
+
+    start_local_ray(num_gpus=3, num_cpus=6)  # two actor ranks + one engine, logical GPUs
+    yield
+    shutdown_local_ray()
+
+
+def _train(run_dir: Path, overrides: list[str]) -> list[dict[str, object]]:
+    cfg, _ = load_config(None, [*TINY, *overrides])
+    train(cfg, run_dir=run_dir, keep_ray=True)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _model_files(run_dir: Path, steps: int) -> dict[str, str]:
+    """sha256 of every actor and critic file of the final checkpoint (from its manifest)."""
+    ckpt = run_dir / "checkpoints" / f"step_{steps:06d}"
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    return {
+        name: entry["sha256"]
+        for name, entry in files.items()
+        if name.startswith(("actor/", "critic/"))
+    }
+
+
+def _describe(a: Path, b: Path, steps: int, names: list[str]) -> str:
+    """Which tensors differ, and by how much (for the failure message)."""
+    out = []
+    for name in names:
+        if not name.endswith(".safetensors"):
+            out.append(f"{name}: contents differ")
+            continue
+        ta = load_file(str(a / "checkpoints" / f"step_{steps:06d}" / name))
+        tb = load_file(str(b / "checkpoints" / f"step_{steps:06d}" / name))
+        for key in sorted(ta):
+            if not torch.equal(ta[key], tb[key]):
+                diff = (ta[key].double() - tb[key].double()).abs().max()
+                out.append(f"{name} {key}: max |diff| {float(diff):.3g}")
+    return "\n".join(out[:20])
+
+
+def _assert_same_run(root: Path, overrides: list[str], steps: int, *, streaming: bool) -> None:
+    a, b = root / "a", root / "b"
+    ra, rb = _train(a, overrides), _train(b, overrides)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(steps))
+    chunks_a = [r["train/chunk_groups"] for r in ra]
+    chunks_b = [r["train/chunk_groups"] for r in rb]
+    if streaming:
+        # several chunks in some step, else the row does not test streaming at all
+        assert any(len(c) > 1 for c in chunks_a), chunks_a
+        assert chunks_a == chunks_b, (
+            "the two runs cut their steps into different chunks (arrival timing), so their "
+            f"per-chunk advantages differ by design: {chunks_a} vs {chunks_b}"
+        )
+    else:
+        assert all(len(c) == 1 for c in chunks_a + chunks_b), (chunks_a, chunks_b)
+    for key in COMPARED:
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
+    fa, fb = _model_files(a, steps), _model_files(b, steps)
+    assert sorted(fa) == sorted(fb)
+    differ = sorted(name for name in fa if fa[name] != fb[name])
+    assert not differ, "final checkpoints differ:\n" + _describe(a, b, steps, differ)
+
+
+def _rows() -> Iterator[object]:
+    yield pytest.param(FULL_BATCH, 1, 3, id="full-batch-dp1")
+    yield pytest.param(FULL_BATCH, 2, 3, id="full-batch-dp2", marks=pytest.mark.slow)
+    yield pytest.param(STREAMING, 1, 3, id="streaming-dp1", marks=pytest.mark.slow)
+    yield pytest.param(STREAMING, 2, 3, id="streaming-dp2", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("mode", "dp", "steps"), list(_rows()))
+def test_same_seed_same_config_same_run(
+    mode: list[str], dp: int, steps: int, tmp_path: Path
+) -> None:
+    overrides = [*mode, f"cluster.actor_gpus={dp}", f"run.num_steps={steps}", "run.seed=3"]
+    _assert_same_run(tmp_path, overrides, steps, streaming=mode is STREAMING)
