@@ -48,7 +48,7 @@ def _members() -> list[str]:
 PACKAGES = _members()
 # Extras that CI installs for a package's own tests (never the CUDA-only ones:
 # torch-memory-saver, transformer-engine and sglang need a GPU machine).
-CI_EXTRAS: dict[str, list[str]] = {"trainer": ["megatron"]}
+CI_EXTRAS: dict[str, list[str]] = {"trainer": ["megatron"], "driver": ["tensorboard"]}
 ALL_EXTRAS = [a for p in PACKAGES for e in CI_EXTRAS.get(p, []) for a in ("--extra", e)]
 # Packages whose tests start Ray workers: their sessions compile all bytecode at install,
 # since many workers importing torch at once would each compile the same modules (slow

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # minimal_ppo.py, beside this file
 
-import minimal_ppo  # noqa: E402
+import minimal_ppo
 
 TARGET = 0.8
 WINDOW = 10
@@ -70,6 +70,7 @@ def run_project(cfg: Any, root: Path) -> dict[str, Any]:
     result = train(
         cfg,
         run_dir=root,
+        overwrite=True,  # a --runs-dir kept from an earlier bench
         keep_ray=False,
         on_step=lambda _report: times.append(time.perf_counter() - start),
     )
@@ -111,6 +112,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--config", default=None, help="a YAML config (default: the defaults)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--runs-dir",
+        default=None,
+        help="keep the project's run directories here (<name>-s<seed>: metrics.jsonl, "
+        "reward.png, ...), e.g. for tools/plot_rewards.py; default: a temporary directory",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. run.num_steps=100")
     args = parser.parse_args()
 
@@ -118,6 +125,7 @@ def main() -> None:
 
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp)
         for k, seed in enumerate(args.seeds):
             cfg, _ = load_config(
                 args.config, [*args.overrides, f"run.seed={seed}", "run.checkpoint_every=0"]
@@ -128,11 +136,15 @@ def main() -> None:
             for name in order:
                 load = os.getloadavg()[0]
                 run = (
-                    run_project(cfg, Path(tmp) / f"seed{seed}")
+                    run_project(cfg, runs_dir / f"{cfg.run.name}-s{seed}")
                     if name == "project"
                     else run_minimal(cfg)
                 )
-                row[name] = {**summarize(run), "load_before": load, "load_after": os.getloadavg()[0]}
+                row[name] = {
+                    **summarize(run),
+                    "load_before": load,
+                    "load_after": os.getloadavg()[0],
+                }
                 if name == "project":
                     chunks = run["chunks"]
                     row[name]["multi_chunk_share"] = sum(c > 1 for c in chunks) / len(chunks)

@@ -189,17 +189,19 @@ def run(args: Args, on_step: Any = None) -> list[dict[str, float]]:
         rewards = torch.zeros(B, T)
         rewards[torch.arange(B), P + length - 1] = rewards_s
 
-        def logprobs_of(logits: torch.Tensor) -> torch.Tensor:
+        def logprobs_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             lp = torch.log_softmax(logits[:, :-1].float(), -1)
-            lp = lp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-            return torch.cat([torch.zeros(B, 1), lp], dim=1)
+            lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            return torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
 
         def values_of(model_out: torch.Tensor) -> torch.Tensor:  # value of the state before t
             v = model_out.squeeze(-1).float()
             return torch.cat([torch.zeros(v.shape[0], 1), v[:, :-1]], dim=1)
 
         with torch.no_grad():
-            old_logprobs = logprobs_of(policy(input_ids=input_ids, attention_mask=attention).logits)
+            old_logprobs = logprobs_of(
+                policy(input_ids=input_ids, attention_mask=attention).logits, input_ids
+            )
             old_values = values_of(critic(input_ids=input_ids, attention_mask=attention).logits)
             # GAE over the response positions (they are contiguous), 0 after the last one
             advantages = torch.zeros(B, T)
@@ -220,7 +222,7 @@ def run(args: Args, on_step: Any = None) -> list[dict[str, float]]:
         # ---- policy: ppo_epochs updates on the whole batch
         for _ in range(args.ppo_epochs):
             logits = policy(input_ids=input_ids, attention_mask=attention).logits
-            ratio = torch.exp((logprobs_of(logits) - old_logprobs) * mask)
+            ratio = torch.exp((logprobs_of(logits, input_ids) - old_logprobs) * mask)
             pg = torch.max(
                 -advantages * ratio,
                 -advantages * torch.clamp(ratio, 1 - args.eps_clip, 1 + args.eps_clip),

@@ -95,6 +95,7 @@ class _Node:
         return Path(self.temp_dir) / f"{self.name}.start.log"
 
     def start(self) -> None:
+        os.makedirs(self.temp_dir, exist_ok=True)
         ports = _free_ports(6)
         cmd = [
             *self.command,
@@ -160,17 +161,42 @@ def _pids_naming(text: str) -> list[int]:
     return found
 
 
-def _wait_for(what: str, ok: Any, nodes: list[_Node], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        dead = [n for n in nodes if not n.running()]
-        if dead:
-            pytest.fail(
-                f"ray start ({dead[0].name}) exited while waiting for {what}:\n{dead[0].tail()}"
-            )
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}:\n" + "\n".join(n.tail() for n in nodes))
-        time.sleep(1.0)
+START_ATTEMPTS = 3
+
+
+def _bring_up(node: _Node, ready: Any, others: list[_Node]) -> None:
+    """Start ``node`` until ``ready()``; a start that fails (on a loaded machine the
+    raylet can give up on its agents: "The current node timed out during startup", see
+    ppo_placement's start_local_ray) is cleaned up and tried again, after the agents'
+    imports were warmed."""
+    reason = ""
+    for _ in range(START_ATTEMPTS):
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import ray.dashboard.agent, ray._private.runtime_env.agent.main",
+            ],
+            check=False,
+            timeout=600,
+            capture_output=True,
+        )
+        node.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready():
+            for other in others:
+                if not other.running():
+                    pytest.fail(f"ray start ({other.name}) exited:\n{other.tail()}")
+            if not node.running():
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out starting the {node.name} node:\n{node.tail()}")
+            time.sleep(1.0)
+        else:
+            return
+        reason = node.tail()
+        node.stop()
+    pytest.fail(f"ray start ({node.name}) failed {START_ATTEMPTS} times; the last:\n{reason}")
 
 
 def _reachable(port: int) -> bool:
@@ -263,12 +289,8 @@ def cluster() -> Iterator[_Cluster]:
         env=env,
     )
     try:
-        head.start()
-        _wait_for(
-            "the head node", lambda: head.started() and _reachable(port), [head], START_TIMEOUT_S
-        )
-        second.start()
-        _wait_for("the second node", second.started, [head, second], START_TIMEOUT_S)
+        _bring_up(head, lambda: head.started() and _reachable(port), [])
+        _bring_up(second, second.started, [head])
         found = _Cluster(address, head, second, env)
         nodes = found.observe(wait_s=START_TIMEOUT_S)["nodes"]
         if len(nodes) < 2:

@@ -4,6 +4,7 @@ the real CLI writing event files beside ``metrics.jsonl`` (slow)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -18,14 +19,16 @@ from ppo_driver import config as config_mod
 from ppo_driver.config import load_config
 from ppo_driver.metrics import TENSORBOARD_DIR, MetricsWriter, read_metrics
 
-pytest.importorskip("tensorboard", reason="needs the extra ppo-driver[tensorboard]")
-from tensorboard.backend.event_processing.event_accumulator import (
-    EventAccumulator,
+needs_tensorboard = pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="needs the extra ppo-driver[tensorboard] (uv sync --extra tensorboard)",
 )
 
 
 def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar TensorBoard shows for ``log_dir``: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -44,6 +47,7 @@ def _row(step: int) -> dict[str, Any]:
     }
 
 
+@needs_tensorboard
 def test_every_numeric_metric_is_a_scalar_per_step(tmp_path: Path) -> None:
     writer = MetricsWriter(tmp_path / "metrics.jsonl", tensorboard_dir=tmp_path / "tb")
     for step in range(3):
@@ -69,6 +73,7 @@ def test_without_tensorboard_dir_no_event_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+@needs_tensorboard
 def test_resume_purges_the_steps_trained_again(tmp_path: Path) -> None:
     """A run crashed after step 3 with a checkpoint at 2 steps: the resumed run writes
     steps 2.. again; TensorBoard shows each step once, with the new values."""
@@ -108,12 +113,14 @@ def test_validate_refuses_tensorboard_without_the_package(monkeypatch: pytest.Mo
     assert report.errors == []
 
 
+@needs_tensorboard
 def test_validate_accepts_tensorboard_where_it_is_installed() -> None:
     _, report = load_config(None, ["run.tensorboard=true"], check=False)
     assert report.errors == []
 
 
 @pytest.mark.slow
+@needs_tensorboard
 @pytest.mark.timeout(1200)
 def test_cli_run_writes_event_files_with_every_metric(tmp_path: Path) -> None:
     run_dir = tmp_path / "tiny"

@@ -189,7 +189,8 @@ class TrainGroup:
         ``actor_options()`` give the GPU/CPU share and the bundle)."""
         self.role = role
         self.world_size = len(slots)
-        init = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
+        # the data-parallel rendezvous listens on rank 0's node
+        init = f"tcp://{slots[0].node_ip}:{free_port()}" if self.world_size > 1 else None
         remote_cls = ray.remote(_Host)
         self.handles: list[Any] = [
             remote_cls.options(

@@ -14,7 +14,7 @@ from ._planner import CallPlan, ResidencyPlanner
 from ._protocol import Offloadable
 from ._tensors import StorageAliasError, check_gradient_isolation
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ALL_PARTS",

@@ -19,7 +19,7 @@ from ppo_placement._ray_start import (
     start_local_ray,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Bundle",
