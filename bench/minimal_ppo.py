@@ -35,9 +35,11 @@ TASK_ALPHABET = "abcdefgh0123456789:"  # ppo_driver.run.TASK_ALPHABET
 
 @dataclass
 class Args:
+    """Defaults: those of ``ppo-driver train`` (``Args.from_driver_config`` copies a config)."""
+
     seed: int = 0
     steps: int = 300
-    prompts: int = 16  # prompt groups per step
+    prompts: int = 64  # prompt groups per step
     samples: int = 4  # samples per prompt
     max_new_tokens: int = 12
     max_count: int = 8  # the task's largest count
@@ -47,14 +49,14 @@ class Args:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    lr: float = 2e-3
+    lr: float = 1e-3
     critic_lr: float = 3e-3
     warmup_steps: int = 0
     critic_warmup_steps: int = 0  # lr warm-up of the critic's optimizer (steps = updates)
     max_grad_norm: float = 1.0
     ppo_epochs: int = 1
-    critic_epochs: int = 2
-    critic_mini_batch_size: int = 32
+    critic_epochs: int = 1
+    critic_mini_batch_size: int = 64
     eps_clip: float = 0.2
     value_clip: float | None = 0.2
     entropy_coef: float = 0.0

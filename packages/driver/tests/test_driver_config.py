@@ -30,7 +30,7 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
     assert cfg.policy.lr == 2e-4  # parsed from "2e-4": the same float64, exactly
 
 
-FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: full-batch
+FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: full-batch
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ FULL = "async_rl.min_groups_for_streaming_train=16"  # batch 16 in the default: 
             id="minimum-alignment",
         ),
         pytest.param(
-            ["async_rl.min_groups_for_streaming_train=17"],
+            ["ppo.num_prompts_per_step=16", "async_rl.min_groups_for_streaming_train=17"],
             "async_rl.min_groups_for_streaming_train",
             "exceeds ppo.num_prompts_per_step",
             id="minimum-above-batch",
@@ -125,9 +125,12 @@ def test_all_problems_reported_at_once(capsys: pytest.CaptureFixture[str]) -> No
         assert key in err
 
 
+BATCH16 = "ppo.num_prompts_per_step=16"  # the document's example: 11-15 of 16 never split
+
+
 @pytest.mark.parametrize("minimum", range(11, 16))
 def test_minimum_that_never_splits_warns(minimum: int) -> None:
-    _, report = load_config(None, [f"async_rl.min_groups_for_streaming_train={minimum}"])
+    _, report = load_config(None, [BATCH16, f"async_rl.min_groups_for_streaming_train={minimum}"])
     assert report.ok
     assert [w.key for w in report.warnings] == ["async_rl.min_groups_for_streaming_train"]
     assert "ONE chunk" in str(report.warnings[0])
@@ -135,7 +138,7 @@ def test_minimum_that_never_splits_warns(minimum: int) -> None:
 
 @pytest.mark.parametrize("minimum", [1, 4, 10, 16])
 def test_minimum_that_can_split_or_full_batch_does_not_warn(minimum: int) -> None:
-    _, report = load_config(None, [f"async_rl.min_groups_for_streaming_train={minimum}"])
+    _, report = load_config(None, [BATCH16, f"async_rl.min_groups_for_streaming_train={minimum}"])
     assert report.ok and not report.warnings
 
 
@@ -222,7 +225,8 @@ def test_alignment_problem_names_the_data_parallel_sizes() -> None:
 
 
 def test_trainer_configs_default_micro_batch_is_one_data_parallel_ranks_share() -> None:
-    cfg = _mesh(gpus=4, tp=2)  # 16 prompts x 4 generations over 2 data-parallel ranks
+    cfg = _mesh(gpus=4, tp=2)
+    cfg.ppo.num_prompts_per_step = 16  # 16 prompts x 4 generations over 2 data-parallel ranks
     actor, critic = trainer_configs(cfg, vocab_size=20)
     assert actor.micro_batch_size == critic.micro_batch_size == 32
     assert actor.backend == critic.backend == "megatron"

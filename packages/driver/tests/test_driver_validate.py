@@ -352,7 +352,7 @@ AGREEMENT = [
     ),
     Case(
         "SamplerConfig.min_groups_for_streaming_train",
-        ("async_rl.min_groups_for_streaming_train=17",),
+        ("ppo.num_prompts_per_step=16", "async_rl.min_groups_for_streaming_train=17"),
         "async_rl.min_groups_for_streaming_train",
         "exceeds ppo.num_prompts_per_step=16",
         lambda: SamplerConfig(num_prompts_per_step=16, min_groups_for_streaming_train=17),
@@ -854,9 +854,11 @@ def test_many_problems_all_reported_at_once(tmp_path: Path, reward_module: str) 
         *MEGATRON,
         "cluster.actor_gpus=2",
         "policy.megatron_cfg.tensor_model_parallel_size=2",  # the critic's differs
-        # minimum above the batch AND an unaligned batch (micro-batch 8: alignment 2)
-        "ppo.num_prompts_per_step=15",
-        "async_rl.min_groups_for_streaming_train=17",
+        # minimum above the batch AND an unaligned batch (micro-batch 8: alignment 2); the
+        # batch stays above the default minimum, which validate falls back to when it
+        # checks the sampler's other keys
+        "ppo.num_prompts_per_step=63",
+        "async_rl.min_groups_for_streaming_train=65",
         "policy.train_micro_batch_size=8",
     ]
     keys = {p.key for p in _errors(overrides)}

@@ -81,7 +81,7 @@ class RunConfig:
     name: str = "tiny"
     output_dir: str = "runs"
     seed: int = 0
-    num_steps: int = 200
+    num_steps: int = 300
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     # Greedy evaluation of rollout.eval_dataset_path after every eval_every-th step (and
@@ -102,12 +102,12 @@ class AdvEstimatorConfig:
 
 @dataclass
 class PPOConfig:
-    num_prompts_per_step: int = 16
+    num_prompts_per_step: int = 64
     num_generations_per_prompt: int = 4
     ppo_epochs: int = 1
-    critic_ppo_epochs: int = 2
+    critic_ppo_epochs: int = 1
     critic_warmup_steps: int = 0
-    critic_mini_batch_size: int = 32
+    critic_mini_batch_size: int = 64
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     dual_clip: float | None = None
@@ -132,7 +132,7 @@ class SamplerCfg:
 
 @dataclass
 class AsyncRLConfig:
-    min_groups_for_streaming_train: int = 4
+    min_groups_for_streaming_train: int = 16
     max_prompts_in_flight: int = 0  # 0: num_prompts_per_step * (1 + lookahead)
     poll_interval_s: float = 0.02
     sampler: SamplerCfg = field(default_factory=SamplerCfg)
@@ -167,7 +167,7 @@ class ModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    lr: float = 2e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0

@@ -636,6 +636,7 @@ _PHASE_OF = {
     Phase.POLICY_BACKWARD: "backward",
     Phase.POLICY_UPDATE: "update",
     Phase.CRITIC_TRAIN: "critic",
+    Phase.REFIT: "export",  # the actor's weights read between steps (the HF export)
 }
 
 
