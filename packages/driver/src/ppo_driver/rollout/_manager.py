@@ -328,8 +328,11 @@ class RolloutManager:
     # -- training side ------------------------------------------------------------------------
     def claim(self, group_ids: Sequence[int | str]) -> dict[str, torch.Tensor]:
         """Claim the groups the sampler selected in the replay buffer and build their
-        batch (see :func:`build_batch`)."""
-        groups = self.buffer.claim(int(g) for g in group_ids)
+        batch (see :func:`build_batch`), rows in prompt-index order: the order groups
+        arrived in depends on timing, and a batch's row order is its summation order
+        (float32 addition is not associative), so a same-seed rerun must not depend on
+        it."""
+        groups = self.buffer.claim(sorted(int(g) for g in group_ids))
         return build_batch(groups, pad_id=self.dataset.tokenizer.pad_id)
 
     def unclaim(self, group_ids: Sequence[int | str]) -> None:
