@@ -22,6 +22,19 @@ from ppo_trainer.testing import (
 )
 from safetensors.torch import load_file
 
+TINY_MODELS = [
+    f"{role}.{key}={value}"
+    for role in ("policy", "critic")
+    for key, value in (
+        ("hidden_size", 32),
+        ("intermediate_size", 64),
+        ("num_hidden_layers", 1),
+        ("num_attention_heads", 2),
+        ("num_key_value_heads", 1),
+    )
+]
+"""Policy and critic of a few thousand parameters."""
+
 TINY_RUN = [
     "run.checkpoint_every=1",
     "run.keep_checkpoints=5",
@@ -33,17 +46,7 @@ TINY_RUN = [
     "ppo.adv_estimator.normalize_advantages=false",
     "async_rl.min_groups_for_streaming_train=2",  # streaming: several chunks per step
     "async_rl.sampler.max_lookahead_versions=0",
-    *(
-        f"{role}.{key}={value}"
-        for role in ("policy", "critic")
-        for key, value in (
-            ("hidden_size", 32),
-            ("intermediate_size", 64),
-            ("num_hidden_layers", 1),
-            ("num_attention_heads", 2),
-            ("num_key_value_heads", 1),
-        )
-    ),
+    *TINY_MODELS,
 ]
 
 

@@ -20,7 +20,8 @@ chunk's rows in the order the groups ARRIVED from the engine (the sampler's clai
 so two runs summed the same per-sample gradients in different orders; float32 addition
 is not associative, the weights differed in their last bits after the first update
 (grad norm ~1e-7 apart), and a few steps later a sampled token flipped and the runs went
-apart. Fixed by claiming every chunk's groups in prompt-index order.
+apart. Fixed by claiming every chunk's groups in prompt-index order
+(``RolloutManager.claim``).
 
 Streaming: where a chunk boundary falls depends on when groups finish and when the pump
 polls, i.e. on timing (groups that finish at the same decode step reach the driver as
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from driver_testlib import TINY_MODELS
 from ppo_driver.config import load_config
 from ppo_driver.run import train
 from safetensors.torch import load_file
@@ -56,22 +58,12 @@ TINY = [
     "ppo.num_generations_per_prompt=4",
     "ppo.critic_mini_batch_size=16",
     "async_rl.sampler.max_lookahead_versions=0",
-    *(
-        f"{role}.{key}={value}"
-        for role in ("policy", "critic")
-        for key, value in (
-            ("hidden_size", 32),
-            ("intermediate_size", 64),
-            ("num_hidden_layers", 1),
-            ("num_attention_heads", 2),
-            ("num_key_value_heads", 1),
-        )
-    ),
+    *TINY_MODELS,
 ]
 FULL_BATCH = ["async_rl.min_groups_for_streaming_train=8", "ppo.ppo_epochs=2"]
-# Waves: every group of a step decodes in one round, and a group finishes at the decode
-# step of its longest sample; 0.15 s per decode step leaves each wave's groups well
-# apart from the next wave's, longer than a chunk's training takes here.
+# A slow generation device (0.15 s per decode step): the groups of a step finish over
+# about a second, in waves (a group finishes at the decode step of its longest sample),
+# so steps are cut into several chunks, often the same ones in both runs.
 STREAMING = [
     "async_rl.min_groups_for_streaming_train=2",
     "rollout.decode_delay_s=0.15",

@@ -385,6 +385,39 @@ class EmbeddedEngine:
         os._exit(1)
 
 
+def engine_actor_options(
+    count: int,
+    *,
+    scheduling_strategies: Sequence[Any] | None,
+    num_cpus: float,
+    num_gpus: float,
+    max_restarts: int,
+    max_concurrency: int,
+) -> list[dict[str, Any]]:
+    """Ray actor options of ``count`` engines (any engine class): engine ``i`` placed by
+    ``scheduling_strategies[i]``; Ray restarts a dead engine but never retries a call in
+    flight (the rollout manager re-dispatches its groups)."""
+    if count < 1:
+        raise ValueError(f"count={count}: start at least one engine")
+    if scheduling_strategies is not None and len(scheduling_strategies) != count:
+        raise ValueError(
+            f"got {len(scheduling_strategies)} scheduling strategies for {count} engines"
+        )
+    out = []
+    for i in range(count):
+        opts: dict[str, Any] = {
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            "max_restarts": max_restarts,
+            "max_task_retries": 0,
+            "max_concurrency": max_concurrency,
+        }
+        if scheduling_strategies is not None:
+            opts["scheduling_strategy"] = scheduling_strategies[i]
+        out.append(opts)
+    return out
+
+
 def launch_embedded_engines(
     count: int,
     *,
@@ -410,24 +443,18 @@ def launch_embedded_engines(
     """
     import ray
 
-    if count < 1:
-        raise ValueError(f"count={count}: start at least one engine")
-    if scheduling_strategies is not None and len(scheduling_strategies) != count:
-        raise ValueError(
-            f"got {len(scheduling_strategies)} scheduling strategies for {count} engines"
-        )
     cls = ray.remote(EmbeddedEngine)
     handles = []
-    for i in range(count):
-        opts: dict[str, Any] = {
-            "num_cpus": num_cpus,
-            "num_gpus": num_gpus,
-            "max_restarts": max_restarts,
-            "max_task_retries": 0,
-            "max_concurrency": max_concurrency,
-        }
-        if scheduling_strategies is not None:
-            opts["scheduling_strategy"] = scheduling_strategies[i]
+    for i, opts in enumerate(
+        engine_actor_options(
+            count,
+            scheduling_strategies=scheduling_strategies,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_restarts=max_restarts,
+            max_concurrency=max_concurrency,
+        )
+    ):
         handles.append(
             cls.options(**opts).remote(
                 model=model,

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._embedded import engine_actor_options
 from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
 from ._sampling import sample_seed
 from ._types import (
@@ -374,24 +375,18 @@ def launch_sglang_engines(
     """
     import ray
 
-    if count < 1:
-        raise ValueError(f"count={count}: start at least one engine")
-    if scheduling_strategies is not None and len(scheduling_strategies) != count:
-        raise ValueError(
-            f"got {len(scheduling_strategies)} scheduling strategies for {count} engines"
-        )
     cls = ray.remote(SglangEngine)
     handles = []
-    for i in range(count):
-        opts: dict[str, Any] = {
-            "num_cpus": num_cpus,
-            "num_gpus": num_gpus,
-            "max_restarts": max_restarts,
-            "max_task_retries": 0,
-            "max_concurrency": max_concurrency,
-        }
-        if scheduling_strategies is not None:
-            opts["scheduling_strategy"] = scheduling_strategies[i]
+    for i, opts in enumerate(
+        engine_actor_options(
+            count,
+            scheduling_strategies=scheduling_strategies,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_restarts=max_restarts,
+            max_concurrency=max_concurrency,
+        )
+    ):
         source = {"model_path": model} if isinstance(model, str) else {"model": model}
         handles.append(
             cls.options(**opts).remote(
