@@ -38,7 +38,7 @@ class Args:
     """Defaults: those of ``ppo-driver train`` (``Args.from_driver_config`` copies a config)."""
 
     seed: int = 0
-    steps: int = 300
+    steps: int = 250
     prompts: int = 64  # prompt groups per step
     samples: int = 4  # samples per prompt
     max_new_tokens: int = 12

@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run directories, each optionally DIR=LABEL")
     parser.add_argument("--out", default="docs/reward.png")
     parser.add_argument("--title", default="built-in task: mean reward per step")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="plot only the first STEPS steps of each run"
+    )
     args = parser.parse_args()
 
     import matplotlib
@@ -51,7 +54,7 @@ def main() -> None:
     for spec in args.runs:
         path, _, label = spec.partition("=")
         label = label or Path(path).name
-        rewards = read_rewards(Path(path))
+        rewards = read_rewards(Path(path))[: args.steps]
         colour = colours.setdefault(label, f"C{len(colours)}")
         steps = range(len(rewards))
         ax.plot(steps, rewards, color=colour, alpha=0.2, linewidth=0.8)

@@ -81,7 +81,7 @@ class RunConfig:
     name: str = "tiny"
     output_dir: str = "runs"
     seed: int = 0
-    num_steps: int = 300
+    num_steps: int = 250
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     # Greedy evaluation of rollout.eval_dataset_path after every eval_every-th step (and
