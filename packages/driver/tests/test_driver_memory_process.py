@@ -18,6 +18,7 @@ thread samples both processes' RSS (``/proc/<pid>/statm``) every few millisecond
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +69,9 @@ def _rss(pid: int) -> int:
 
 
 # -- run in the worker processes (Ray's __ray_call__ hands them the _Host) --------------
+# Ray's workers cannot import this test module (its folder is on pytest's sys.path, not
+# theirs), so its functions travel by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _pid(host: Any) -> int:
