@@ -12,7 +12,7 @@ import pytest
 import torch
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.pump import ChunkGate, NonFiniteError, check_finite_metrics
-from ppo_driver.workers import GroupResult, data_parallel_layout, shard_rows
+from ppo_driver.workers import GroupResult, data_parallel_layout, mini_batch_order, shard_rows
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
 from ppo_trainer import Mesh
 
@@ -123,6 +123,33 @@ def test_chunk_batch_names_the_stage_of_a_field_not_filled_yet() -> None:
         ChunkBatch.from_rollout({k: v for k, v in rows.items()})
     with pytest.raises(ValueError, match="advantages is not filled yet"):
         StepBatch.assemble([bare], pad_id=0, group_sizes=[1])
+
+
+@pytest.mark.parametrize(
+    ("rows", "dp", "per_rank"), [(16, 1, 4), (16, 2, 4), (16, 2, 3), (24, 4, 2), (8, 2, 8)]
+)
+def test_critic_mini_batches_are_the_same_global_ones_for_any_data_parallel_size(
+    rows: int, dp: int, per_rank: int
+) -> None:
+    """Rank ``r``'s ``k``-th local mini-batch (what ``CriticWorker.train`` walks, in steps
+    of ``per_rank`` over its shard) is its slice of global mini-batch ``k``: the rows
+    ``[k G, (k+1) G)`` with ``G = per_rank * dp``, the last one shorter; together the
+    ranks train on exactly the mini-batches one rank of size ``G`` would."""
+    order = mini_batch_order(rows, dp, per_rank).tolist()
+    assert sorted(order) == list(range(rows))  # a permutation
+    shards = [order[s] for s in shard_rows(rows, dp)]
+    block = per_rank * dp
+    global_batches = [set(range(a, min(a + block, rows))) for a in range(0, rows, block)]
+    local = [
+        [set(shard[a : a + per_rank]) for a in range(0, len(shard), per_rank)] for shard in shards
+    ]
+    assert all(len(batches) == len(global_batches) for batches in local)
+    for k, expected in enumerate(global_batches):
+        assert set().union(*(batches[k] for batches in local)) == expected, k
+    if dp == 1:
+        assert order == list(range(rows))
+    with pytest.raises(ValueError, match="do not split over 3 data-parallel ranks"):
+        mini_batch_order(8, 3, 2)
 
 
 def test_rows_split_over_data_parallel_ranks_only() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from ppo_driver.cli import main
 from ppo_driver.config import (
@@ -759,6 +760,26 @@ CASES = [
         "policy.megatron_cfg.optimizer.overlap_param_gather",
         "use_distributed_optimizer",
         id="overlap-param-gather-without-distopt",
+    ),
+    pytest.param(
+        [
+            *MEGATRON,
+            "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+            "policy.megatron_cfg.optimizer.overlap_param_gather=true",
+        ],
+        "policy.megatron_cfg.optimizer.overlap_param_gather",
+        "not supported",
+        id="overlap-param-gather-is-not-silently-ignored",
+    ),
+    pytest.param(
+        ["cluster.logical_gpus=false"],
+        "cluster.logical_gpus",
+        "CUDA device(s)",
+        id="real-gpus-on-a-machine-without-enough",
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available() and torch.cuda.device_count() >= 2,
+            reason="this machine has the GPUs the default layout reserves",
+        ),
     ),
     pytest.param(
         [*MEGATRON, "policy.megatron_cfg.fp8_param=true", "policy.megatron_cfg.fp8_recipe=fp4"],

@@ -185,6 +185,8 @@ class ClusterConfig:
     actor_gpus: int = 1
     rollout_gpus: int = 1
     colocate: bool = False
+    # true: the local cluster declares the layout's GPUs as logical Ray resources (CPU
+    # runs); false: it offers the machine's CUDA devices (validate checks there are enough)
     logical_gpus: bool = True
     num_cpus: int | None = None
     # null: start a local Ray cluster; "auto" or "host:port": join the existing cluster
@@ -1381,15 +1383,14 @@ def _check_megatron_rules(r: ValidationReport, cfg: DriverConfig, role: Role) ->
             )
         )
     elif mc.optimizer.overlap_param_gather:
-        r.warnings.append(
+        r.errors.append(
             ConfigProblem(
                 f"{p}.optimizer.overlap_param_gather",
                 True,
-                "the trainer runs the distributed optimizer's parameter all-gather "
-                "synchronously (parameters that sleep between chunks need it in place), "
-                "so this has no effect",
-                f"remove {p}.optimizer.overlap_param_gather",
-                severity="warning",
+                "not supported: the trainer runs the distributed optimizer's parameter "
+                "all-gather synchronously (parameters that sleep between chunks need it in "
+                "place)",
+                f"set {p}.optimizer.overlap_param_gather=false",
             )
         )
     if mc.fp8_recipe is not None and mc.fp8_recipe.lower() not in FP8_RECIPES:
@@ -1906,7 +1907,19 @@ def _check_cluster_address(r: ValidationReport, cfg: DriverConfig) -> None:
 
     address = cfg.cluster.address
     if address is None:
+        _check_local_gpus(r, cfg)
         return
+    if not cfg.cluster.logical_gpus:
+        r.warnings.append(
+            ConfigProblem(
+                "cluster.logical_gpus",
+                False,
+                "has no effect when joining a cluster (cluster.address is set): its nodes' "
+                "`ray start --num-gpus` decide the GPUs",
+                "remove cluster.logical_gpus",
+                severity="warning",
+            )
+        )
     try:
         parse_cluster_address(address)
     except ValueError as exc:
@@ -1929,6 +1942,37 @@ def _check_cluster_address(r: ValidationReport, cfg: DriverConfig) -> None:
                 "`ray start --num-cpus/--num-gpus` decide the resources",
                 "remove cluster.num_cpus",
                 severity="warning",
+            )
+        )
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this machine has (0 without CUDA)."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _check_local_gpus(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``cluster.logical_gpus=false``: the local cluster offers the machine's CUDA devices,
+    which must be at least the bundles the layout reserves."""
+    if cfg.cluster.logical_gpus:
+        return
+    try:
+        needed = cluster_layout(cfg).num_gpus
+    except ValueError:
+        return  # the layout's own error is reported already
+    have = cuda_device_count()
+    if have < needed:
+        r.errors.append(
+            ConfigProblem(
+                "cluster.logical_gpus",
+                False,
+                f"this machine has {have} CUDA device(s), and the layout reserves {needed} "
+                f"(cluster.actor_gpus={cfg.cluster.actor_gpus}, "
+                f"cluster.rollout_gpus={cfg.cluster.rollout_gpus})",
+                "set cluster.logical_gpus=true (logical GPUs: CPU runs and tests), ask for "
+                "fewer GPUs, or run on a machine with enough",
             )
         )
 

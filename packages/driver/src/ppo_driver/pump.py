@@ -40,7 +40,14 @@ from ppo_trainer import gae, masked_whiten
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.config import DriverConfig
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import GroupResult, Pending, Rows, Timeline, TrainGroup
+from ppo_driver.workers import (
+    GroupResult,
+    Pending,
+    Rows,
+    Timeline,
+    TrainGroup,
+    mini_batch_order,
+)
 
 __all__ = [
     "ChunkGate",
@@ -210,8 +217,8 @@ class TrainPump:
         self.weight_version = 0
         self.fail_at = fail_at
         self.in_update = False
-        self._pending: list[tuple[Pending, str]] = []  # transitions started, not awaited
-        self._pending_step = 0
+        # transitions started and not yet awaited: (call, label, step)
+        self._pending: list[tuple[Pending, str, int]] = []
         self._counted: dict[str, float] = {}  # the actor's pass counters at the last step
         # True once this step's policy is final on the engines (after the early refit):
         # the next step's prompts may then be dispatched, overlapping critic training.
@@ -230,9 +237,7 @@ class TrainPump:
     def restore_generation(self) -> None:
         """After a resume: the engines get the checkpoint's policy (weight version)."""
         if self.weight_version > 0:
-            self._switch(self.completed_steps, Phase.REFIT)
-            with self.trace.span("refit", step=self.completed_steps, phase="refit"):
-                self.generation.refit(version=self.weight_version)
+            self._refit(self.completed_steps, version=self.weight_version)
 
     def export_policy(self) -> dict[str, torch.Tensor]:
         """The policy's weights under Hugging Face names (a collective over the actor
@@ -282,7 +287,7 @@ class TrainPump:
             update = self._policy_update(s, batch)
             self._maybe_fail("after_policy_update", step)
             if not colocated:
-                self._refit(s)  # early refit: before critic training
+                self._refit_trained(s)  # early refit: before critic training
         if not colocated:  # the next step's generation overlaps critic training
             self._policy_ahead = True
             self.feed_generation()
@@ -402,13 +407,18 @@ class TrainPump:
             ).reduced()
         return update
 
-    def _refit(self, s: _StepState) -> None:
-        self._switch(s.step, Phase.REFIT)
-        start = time.perf_counter()
-        with self.trace.span("refit", step=s.step, phase="refit"):
-            self.generation.refit(version=self.weight_version + 1)
+    def _refit_trained(self, s: _StepState) -> None:
+        """The engines get the policy this step trained: the next weight version."""
+        s.refit_s = self._refit(s.step, version=self.weight_version + 1)
         self.weight_version += 1
-        s.refit_s = time.perf_counter() - start
+
+    def _refit(self, step: int, *, version: int) -> float:
+        """The engines get the actor's weights as ``version``; returns the seconds."""
+        self._switch(step, Phase.REFIT)
+        start = time.perf_counter()
+        with self.trace.span("refit", step=step, phase="refit"):
+            self.generation.refit(version=version)
+        return time.perf_counter() - start
 
     def _critic_train(
         self, s: _StepState, batch: StepBatch, *, colocated: bool
@@ -419,19 +429,23 @@ class TrainPump:
         if colocated:
             self.generation.pause()
         self._maybe_fail("before_critic", s.step)
+        per_rank = max(1, ppo.critic_mini_batch_size // self.critic.dp_size)
+        # the same global mini-batches whatever the data-parallel size
+        order = mini_batch_order(batch.size, self.critic.dp_size, per_rank)
+        frozen = {"returns": batch.need("returns"), "old_values": batch.need("old_values")}
         out = self._call(
             Role.CRITIC,
             Phase.CRITIC_TRAIN,
             "train",
             s.step,
-            rows=Rows(batch.model_inputs()),
-            per_sample={"returns": batch.need("returns"), "old_values": batch.need("old_values")},
+            rows=Rows({k: v[order] for k, v in batch.model_inputs().items()}),
+            per_sample={k: v[order] for k, v in frozen.items()},
             epochs=ppo.critic_ppo_epochs,
-            mini_batch_size=max(1, ppo.critic_mini_batch_size // self.critic.dp_size),
+            mini_batch_size=per_rank,
         )
         if colocated:
             if s.policy:
-                self._refit(s)
+                self._refit_trained(s)
             self.generation.resume()
         summed = out.summed()
         return {k: v / len(out.values) for k, v in summed.items()}
@@ -467,8 +481,7 @@ class TrainPump:
             self._execute(transitions, step)
             return
         for t in transitions:
-            self._pending.append((self._start(t), str(t)))
-        self._pending_step = step
+            self._pending.append((self._start(t), str(t), step))
 
     def _start(self, t: Transition) -> Pending:
         if t.action is Action.SLEEP:
@@ -483,9 +496,9 @@ class TrainPump:
     def _settle(self) -> None:
         """Wait for transitions left running (surfaces their errors) and trace them."""
         pending, self._pending = self._pending, []
-        for p, label in pending:
+        for p, label, step in pending:
             result = p.result()
-            self._trace_timeline([(label, *result.timeline[0][1:])], self._pending_step, "switch")
+            self._trace_timeline([(label, *result.timeline[0][1:])], step, "switch")
 
     def save_models(self, save: Callable[[Role], object], *, step: int) -> None:
         """Checkpoint both models in the plan's order (resident one first), ending with

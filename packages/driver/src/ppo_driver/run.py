@@ -56,7 +56,13 @@ from ppo_driver.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from ppo_driver.config import DriverConfig, cluster_layout, sampler_config, trainer_configs
+from ppo_driver.config import (
+    DriverConfig,
+    cluster_layout,
+    cuda_device_count,
+    sampler_config,
+    trainer_configs,
+)
 from ppo_driver.metrics import (
     TENSORBOARD_DIR,
     MetricsWriter,
@@ -257,7 +263,7 @@ def _connect_cluster(
         if started_here and not keep_ray:
             on_exit("ray.shutdown", ray.shutdown)
         start_local_ray(
-            num_gpus=layout.num_gpus,
+            num_gpus=layout.num_gpus if cfg.cluster.logical_gpus else cuda_device_count(),
             num_cpus=cfg.cluster.num_cpus
             or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
         )
@@ -782,6 +788,7 @@ def _build(
         groups_per_call=1,
         on_engine_restart=refitter.restore_engine,
         reward_timeout_s=cfg.rollout.reward_timeout_s,
+        file_in_dispatch_order=cfg.async_rl.deterministic_chunks,
         max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
     )
     trace = TraceRecorder(origin=t0)

@@ -34,6 +34,7 @@ __all__ = [
     "TrainGroup",
     "data_parallel_layout",
     "free_port",
+    "mini_batch_order",
     "shard_rows",
 ]
 
@@ -60,6 +61,23 @@ def shard_rows(rows: int, dp_size: int) -> list[slice]:
         )
     per = rows // dp_size
     return [slice(r * per, (r + 1) * per) for r in range(dp_size)]
+
+
+def mini_batch_order(rows: int, dp_size: int, per_rank: int) -> Tensor:
+    """A row order under which the contiguous split of :func:`shard_rows` hands every
+    data-parallel rank, as its ``k``-th local mini-batch of ``per_rank`` rows, its slice of
+    the ``k``-th global mini-batch (``per_rank * dp_size`` consecutive rows): the ranks
+    together train on the same mini-batches as one rank would (Megatron's data sampler
+    slices each global batch the same way). The identity for one rank."""
+    if rows % dp_size:
+        shard_rows(rows, dp_size)  # raises, naming the alignment rule
+    block = per_rank * dp_size
+    shards: list[list[int]] = [[] for _ in range(dp_size)]
+    for start in range(0, rows, block):
+        per = min(block, rows - start) // dp_size  # divides: rows and block do
+        for r, shard in enumerate(shards):
+            shard.extend(range(start + r * per, start + (r + 1) * per))
+    return torch.tensor([i for shard in shards for i in shard], dtype=torch.long)
 
 
 class Rows:
