@@ -21,7 +21,14 @@ from driver_testlib import TINY_RUN
 from ppo_driver.checkpoint import save_checkpoint
 from ppo_driver.cli import _parse, main
 from ppo_driver.config import default_config_path, load_config
-from ppo_driver.run import FAIL_POINTS, RunLock, _Interrupt, _SignalGuard
+from ppo_driver.run import (
+    FAIL_POINTS,
+    RunLock,
+    StartupError,
+    _claim_contents,
+    _Interrupt,
+    _SignalGuard,
+)
 from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, ModelSpec
 
 SPEC = ModelSpec(
@@ -125,6 +132,21 @@ def test_used_run_dir_is_refused_without_resume_or_overwrite(
     with pytest.raises(SystemExit):  # the two exclude each other
         main(["train", "--run-dir", str(run_dir), "--resume", "--overwrite"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_run_dir_left_by_a_failed_start_up_is_reused(tmp_path: Path) -> None:
+    """A start-up that failed (Ray, a model file) leaves its config and log but no step:
+    the retry needs no --overwrite, and the failed attempt's log is kept."""
+    run_dir = tmp_path / "failed"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("run: {}\n")
+    (run_dir / "train.log").write_text("start-up failed\n")
+    (run_dir / "checkpoints").mkdir()
+    assert _claim_contents(run_dir, resume=False, overwrite=False) == []
+    assert (run_dir / "train.log").read_text() == "start-up failed\n"
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # a finished step: refused
+    with pytest.raises(StartupError, match="is not empty"):
+        _claim_contents(run_dir, resume=False, overwrite=False)
 
 
 def test_run_dir_held_by_another_run_is_refused_naming_the_holder(

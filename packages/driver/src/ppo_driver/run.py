@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -416,11 +416,24 @@ def _lock_holder(fd: int) -> str:
 _RUN_FILES = frozenset({"config.yaml", "train.log", "metrics.jsonl", "checkpoints"})
 
 
+def _failed_start(run_dir: Path, names: Sequence[str]) -> bool:
+    """Only what a run that stopped before finishing a step leaves behind (its config,
+    its log, an empty metrics file or checkpoint folder): nothing a new run could lose."""
+    if not set(names) <= {"config.yaml", "train.log", "trace.json", "metrics.jsonl", "checkpoints"}:
+        return False
+    metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+    if metrics.exists() and (not metrics.is_file() or metrics.stat().st_size > 0):
+        return False
+    return not ckpts.exists() or (ckpts.is_dir() and not any(ckpts.iterdir()))
+
+
 def _claim_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
     """A fresh run needs an empty run directory (``--overwrite`` empties it; returns what
-    it removed). ``--resume`` continues what is there."""
+    it removed). ``--resume`` continues what is there. A directory a failed start-up left
+    (no step finished) is reused as it is: the new ``config.yaml`` replaces the old one
+    and ``train.log`` goes on after the failed attempt's lines."""
     others = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
-    if not others or resume:
+    if not others or resume or (not overwrite and _failed_start(run_dir, others)):
         return []
     if overwrite:
         if not set(others) & _RUN_FILES:  # a typo must not empty an unrelated directory
