@@ -23,17 +23,17 @@ is not associative, the weights differed in their last bits after the first upda
 apart. Fixed by claiming every chunk's groups in prompt-index order
 (``RolloutManager.claim``).
 
-Streaming: where a chunk boundary falls depends on when groups finish and when the pump
-polls, i.e. on timing (groups that finish at the same decode step reach the driver as
-separate replies, and a poll can fall between them), and the chunk boundaries change the
-update: advantages are whitened per chunk (the streaming document's rule) and the
-per-chunk gradients are summed in another grouping. So two streaming runs are identical
-exactly as long as their steps were cut into the same chunks. The streaming rows check
-that: every step up to and including the first one cut differently has identical
-rewards (its samples come from a policy trained on identical chunks), and when no step
-was cut differently the final checkpoints are identical too. Making streaming runs
-identical whatever the timing needs a chunk plan that does not depend on arrival times
-(e.g. chunk boundaries at fixed prompt indices), which the sampler does not have.
+Streaming: by default a chunk is whatever is ready when the pump polls, so where a chunk
+boundary falls depends on when groups finish, i.e. on timing, and the boundaries change
+the update (advantages are whitened per chunk, the per-chunk gradients are summed in
+another grouping): two default streaming runs agree only while their steps were cut
+alike. ``async_rl.deterministic_chunks=true`` cuts every step at fixed positions of its
+dispatch order (``ppo_sampler.fixed_chunk_sizes``: here 8 groups, minimum 2 -> four
+chunks of 2) and trains a block once all its groups are done, in order. The streaming
+rows use it and make timing differ on purpose: the second run generates at another pace
+(``rollout.decode_delay_s`` 0.15 s vs 0.05 s per decode step: the same samples, finished
+at other times, in other waves), and still both runs must match exactly, every step and
+the final checkpoints. The full-batch rows get the same change of pace.
 """
 
 from __future__ import annotations
@@ -61,14 +61,15 @@ TINY = [
     *TINY_MODELS,
 ]
 FULL_BATCH = ["async_rl.min_groups_for_streaming_train=8", "ppo.ppo_epochs=2"]
-# A slow generation device (0.15 s per decode step): the groups of a step finish over
-# about a second, in waves (a group finishes at the decode step of its longest sample),
-# so steps are cut into several chunks, often the same ones in both runs.
 STREAMING = [
     "async_rl.min_groups_for_streaming_train=2",
-    "rollout.decode_delay_s=0.15",
+    "async_rl.deterministic_chunks=true",
     "rollout.max_new_tokens=8",
 ]
+# The two runs' generation paces (seconds per decode step): a step's groups finish over
+# about a second in the first run, a third of it in the second, in waves (a group
+# finishes at the decode step of its longest sample), so arrival-driven cuts would differ.
+PACES = ("rollout.decode_delay_s=0.15", "rollout.decode_delay_s=0.05")
 COMPARED = ("rollout/reward_mean", "rollout/reward_max", "rollout/response_len_mean")
 
 
@@ -117,23 +118,15 @@ def _describe(a: Path, b: Path, steps: int, names: list[str]) -> str:
 
 def _assert_same_run(root: Path, overrides: list[str], steps: int, *, streaming: bool) -> None:
     a, b = root / "a", root / "b"
-    ra, rb = _train(a, overrides), _train(b, overrides)
+    ra, rb = _train(a, [*overrides, PACES[0]]), _train(b, [*overrides, PACES[1]])
     assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(steps))
     chunks_a = [r["train/chunk_groups"] for r in ra]
     chunks_b = [r["train/chunk_groups"] for r in rb]
-    if streaming:
-        # several chunks in some step, else the row does not test streaming at all
-        assert any(len(c) > 1 for c in chunks_a + chunks_b), (chunks_a, chunks_b)
-    else:
-        assert all(len(c) == 1 for c in chunks_a + chunks_b), (chunks_a, chunks_b)
-    # the steps whose samples came from policies trained on identically cut steps
-    same_cut = next((s for s in range(steps) if chunks_a[s] != chunks_b[s]), steps)
-    compared = min(same_cut + 1, steps)
+    # the fixed plan in every step of both runs (several chunks: it does stream)
+    plan = [2, 2, 2, 2] if streaming else [8]
+    assert chunks_a == chunks_b == [plan] * steps, (chunks_a, chunks_b)
     for key in COMPARED:
-        assert [r[key] for r in ra[:compared]] == [r[key] for r in rb[:compared]], key
-    if same_cut < steps:
-        print(f"chunks differ from step {same_cut} on: {chunks_a} vs {chunks_b}")
-        return
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
     fa, fb = _model_files(a, steps), _model_files(b, steps)
     assert sorted(fa) == sorted(fb)
     differ = sorted(name for name in fa if fa[name] != fb[name])

@@ -387,6 +387,21 @@ AGREEMENT = [
         "expected bool",
         lambda: _sampler(evict_stale=3),
     ),
+    # async_rl.deterministic_chunks: only where no group's weights or chunk depend on timing
+    Case(
+        "SamplerConfig.deterministic_chunks",
+        ("async_rl.deterministic_chunks=true", "async_rl.sampler.max_lookahead_versions=1"),
+        "async_rl.deterministic_chunks",
+        "needs async_rl.sampler.max_lookahead_versions=0, not 1",
+        lambda: _sampler(deterministic_chunks=True, max_lookahead_versions=1),
+    ),
+    Case(
+        "SamplerConfig.deterministic_chunks",
+        ("async_rl.deterministic_chunks=true", "async_rl.sampler.name=ready_first"),
+        "async_rl.deterministic_chunks",
+        "needs async_rl.sampler.name=in_order, not 'ready_first'",
+        lambda: _sampler(deterministic_chunks=True, name="ready_first"),
+    ),
     # --- ppo_placement ----------------------------------------------------------------------
     Case(
         "placement_layout.actor_gpus",
@@ -907,6 +922,32 @@ def test_minimum_above_batch_and_unaligned_batch_both_reported() -> None:
     ]
     assert "async_rl.min_groups_for_streaming_train" in keys
     assert "ppo.num_prompts_per_step" in keys
+
+
+def test_a_refused_minimum_does_not_hide_the_other_sampler_keys() -> None:
+    # the refused minimum is retried with min(default 16, batch 8): the lookahead after it
+    # is still judged (with the default 16 as the retry, the retry itself failed)
+    errors = _errors(
+        [
+            "ppo.num_prompts_per_step=8",
+            "async_rl.min_groups_for_streaming_train=0",
+            "async_rl.sampler.max_lookahead_versions=-1",
+        ]
+    )
+    keys = [p.key for p in errors]
+    assert "async_rl.min_groups_for_streaming_train" in keys
+    assert "async_rl.sampler.max_lookahead_versions" in keys, [str(p) for p in errors]
+
+
+def test_deterministic_chunks_fix_names_both_ways_out() -> None:
+    errors = _errors(
+        ["async_rl.deterministic_chunks=true", "async_rl.sampler.max_lookahead_versions=2"]
+    )
+    (problem,) = [p for p in errors if p.key == "async_rl.deterministic_chunks"]
+    assert problem.value is True
+    assert "set async_rl.sampler.max_lookahead_versions=0" in problem.fix
+    assert "async_rl.deterministic_chunks=false" in problem.fix
+    assert not _errors(["async_rl.deterministic_chunks=true"])  # in_order, lookahead 0: fine
 
 
 def test_temperature_zero_is_greedy_and_allowed() -> None:

@@ -414,3 +414,76 @@ def test_confirm_weights_only_vouches_for_the_version_held() -> None:
         engine.confirm_weights(version=3)
     assert engine.confirm_weights(version=2) == 2
     assert not engine.health().needs_weights
+
+
+# -- the rollout manager's filing order (no Ray: calls are answered in a chosen order) ------
+
+
+class _Calls:
+    """An engine handle whose ``generate.remote`` returns a ref; ``ray.get`` answers it."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[GroupRequest]] = {}
+        self.generate = self
+
+    def remote(self, requests: list[GroupRequest]) -> int:
+        ref = requests[0].prompt_index
+        self.sent[ref] = requests
+        return ref
+
+    def answer(self, ref: int) -> list[GroupOutput]:
+        sample = SampleOutput(token_ids=(TOK.eos_id,), logprobs=(0.0,), finish_reason="stop")
+        return [
+            GroupOutput(
+                prompt_index=r.prompt_index,
+                prompt_ids=r.prompt_ids,
+                samples=(sample,) * PARAMS.n,
+                weight_version=0,
+            )
+            for r in self.sent.pop(ref)
+        ]
+
+
+def _fails_for_2(*, response: str, record: Any, finish_reason: str) -> float:
+    if record["index"] == 2:
+        raise ZeroDivisionError("the grader crashed")
+    return 0.0
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["dispatch-order", "arrival-order"])
+def test_manager_files_groups_in_dispatch_order(
+    in_order: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+    from ppo_driver.rollout import RolloutManager
+    from ppo_sampler import InOrderSampler
+
+    records = [dict(r, index=i) for i, r in enumerate(synthetic_records(num_prompts=8, seed=0))]
+    data = PromptDataset(records, TOK)
+    engine = _Calls()
+    monkeypatch.setattr(ray, "get", engine.answer)
+    sampler = InOrderSampler(max_lookahead_versions=0, fixed_chunks=in_order)
+    m = RolloutManager(
+        engines=[engine],
+        dataset=data,
+        sampler=sampler,
+        reward_fn=_fails_for_2,
+        params=PARAMS,
+        prompts_per_step=4,
+        max_in_flight=4,
+        reward_timeout_s=None,
+        file_in_dispatch_order=in_order,
+    )
+    m._dispatch(0)  # prompts 0..3, one call each
+    filed = [m._collect(ref) for ref in (3, 1, 2)]  # 2 fails: prompt 4 is dispatched
+    meta, _ = m.state_dict()  # a checkpoint now: groups held back are generated again
+    assert sorted(g for g, _ in meta["to_dispatch"]) == ([0, 1, 3] if in_order else [0])
+    m._dispatch(0)
+    filed += [m._collect(ref) for ref in (4, 0)]
+    if in_order:  # each once all before it are filed or failed
+        assert filed == [[], [], [], [], [0, 1, 3, 4]]
+    else:
+        assert filed == [[3], [1], [], [4], [0]]
+    ready = list(sampler.state_dict()["ready"])
+    assert [g for g, _, _ in ready] == [g for ids in filed for g in ids]
+    assert m.idle() and not m._held

@@ -133,6 +133,8 @@ class SamplerCfg:
 @dataclass
 class AsyncRLConfig:
     min_groups_for_streaming_train: int = 16
+    # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns)
+    deterministic_chunks: bool = False
     max_prompts_in_flight: int = 0  # 0: num_prompts_per_step * (1 + lookahead)
     poll_interval_s: float = 0.02
     sampler: SamplerCfg = field(default_factory=SamplerCfg)
@@ -762,6 +764,7 @@ def _sampler_kwargs(cfg: DriverConfig) -> dict[str, Any]:
         "max_lookahead_versions": s.max_lookahead_versions,
         "max_staleness_versions": s.max_staleness_versions,
         "evict_stale": s.evict_stale,
+        "deterministic_chunks": cfg.async_rl.deterministic_chunks,
     }
 
 
@@ -1035,8 +1038,16 @@ def _check_sampler(r: ValidationReport, cfg: DriverConfig) -> None:
             ("max_lookahead_versions", "async_rl.sampler.max_lookahead_versions"),
             ("max_staleness_versions", "async_rl.sampler.max_staleness_versions"),
             ("evict_stale", "async_rl.sampler.evict_stale"),
+            ("deterministic_chunks", "async_rl.deterministic_chunks"),
         )
     }
+    fallback = _sampler_kwargs(DriverConfig())
+    batch = cfg.batch_groups
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+        # a refused minimum is retried with one the batch accepts (the default 16 would
+        # exceed a batch below 16 and hide the other sampler keys' problems)
+        key = "min_groups_for_streaming_train"
+        fallback[key] = min(fallback[key], batch)
     _build_typed(
         r,
         cfg,
@@ -1044,7 +1055,7 @@ def _check_sampler(r: ValidationReport, cfg: DriverConfig) -> None:
         build=SamplerConfig,
         kwargs=_sampler_kwargs(cfg),
         keys=keys,
-        fallback=_sampler_kwargs(DriverConfig()),
+        fallback=fallback,
         section="async_rl.sampler",
         fixes={
             "ppo.num_prompts_per_step": "set ppo.num_prompts_per_step to 1 or more",

@@ -1,14 +1,17 @@
 """ppo_sampler: the tail-aware chunk gate and streaming samplers for colocated PPO.
 
 Stdlib only. Pure chunk arithmetic (:func:`plan_chunk`, :func:`chunk_schedule`,
-:func:`group_alignment`, :func:`single_chunk_only`) and the stateful ``in_order`` and
+:func:`group_alignment`, :func:`single_chunk_only`; the fixed plan of
+``async_rl.deterministic_chunks``: :func:`plan_fixed_chunk`, :func:`fixed_chunk_sizes`) and the stateful ``in_order`` and
 ``ready_first`` samplers the driver polls (:func:`make_sampler`).
 """
 
 from ppo_sampler._chunk import (
     chunk_schedule,
+    fixed_chunk_sizes,
     group_alignment,
     plan_chunk,
+    plan_fixed_chunk,
     single_chunk_only,
     tail_floor,
 )
@@ -26,9 +29,11 @@ __all__ = [
     "SamplerConfig",
     "__version__",
     "chunk_schedule",
+    "fixed_chunk_sizes",
     "group_alignment",
     "make_sampler",
     "plan_chunk",
+    "plan_fixed_chunk",
     "single_chunk_only",
     "tail_floor",
 ]

@@ -12,8 +12,10 @@ from collections.abc import Iterable
 
 __all__ = [
     "chunk_schedule",
+    "fixed_chunk_sizes",
     "group_alignment",
     "plan_chunk",
+    "plan_fixed_chunk",
     "single_chunk_only",
     "tail_floor",
 ]
@@ -75,6 +77,57 @@ def plan_chunk(*, ready: int, remaining: int, min_groups: int, alignment: int = 
     if 0 < left < tail_floor(min_groups=min_groups):
         return 0
     return take
+
+
+def _fixed_block(*, remaining: int, min_groups: int, alignment: int) -> int:
+    """The next block of the fixed plan: ``min_groups`` rounded up to ``alignment``, or
+    everything left when a block would leave ``0 < left < tail_floor`` (or more than is left)."""
+    block = -(-min_groups // alignment) * alignment
+    return remaining if remaining - block < tail_floor(min_groups=min_groups) else block
+
+
+def plan_fixed_chunk(*, ready: int, remaining: int, min_groups: int, alignment: int = 1) -> int:
+    """The fixed-position counterpart of :func:`plan_chunk` (``async_rl.deterministic_chunks``).
+
+    A step's groups, in dispatch order, are cut into consecutive blocks whose sizes
+    depend only on ``batch``, ``min_groups`` and ``alignment`` (:func:`fixed_chunk_sizes`):
+    ``min_groups`` rounded up to a multiple of ``alignment``; the last block is what is
+    left, merged into the block before it when it would be below the tail floor
+    ``ceil(min_groups / 2)``. Returns the next block's size when its groups are all
+    ready (``ready`` counts the step's ready groups in dispatch order), else 0.
+
+    Every block is a chunk :func:`plan_chunk` could also choose (aligned, at least the
+    minimum unless final, never leaving less than the tail floor); only the moment
+    differs: a block waits for exactly its own groups, not for a count.
+
+    >>> [plan_fixed_chunk(ready=r, remaining=10, min_groups=4) for r in (3, 4, 9)]
+    [0, 4, 4]
+
+    Raises:
+        ValueError: as :func:`plan_chunk`, for the same arguments.
+    """
+    plan_chunk(ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment)
+    block = _fixed_block(remaining=remaining, min_groups=min_groups, alignment=alignment)
+    return block if ready >= block else 0
+
+
+def fixed_chunk_sizes(*, batch: int, min_groups: int, alignment: int = 1) -> list[int]:
+    """The chunk sizes of every step under ``async_rl.deterministic_chunks``; they sum to
+    ``batch`` (see :func:`plan_fixed_chunk`).
+
+    >>> fixed_chunk_sizes(batch=64, min_groups=16), fixed_chunk_sizes(batch=70, min_groups=16)
+    ([16, 16, 16, 16], [16, 16, 16, 22])
+
+    Raises:
+        ValueError: on a bad ``batch``/``min_groups``/``alignment`` (as :func:`chunk_schedule`).
+    """
+    _check_batch("fixed_chunk_sizes", batch=batch, min_groups=min_groups, alignment=alignment)
+    sizes: list[int] = []
+    left = batch
+    while left:
+        sizes.append(_fixed_block(remaining=left, min_groups=min_groups, alignment=alignment))
+        left -= sizes[-1]
+    return sizes
 
 
 def _check_batch(fn: str, *, batch: int, min_groups: int, alignment: int) -> None:

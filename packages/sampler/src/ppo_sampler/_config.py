@@ -19,6 +19,7 @@ _KEYS = {
     "max_staleness_versions": "async_rl.sampler.max_staleness_versions",
     "evict_stale": "async_rl.sampler.evict_stale",
     "min_groups_for_streaming_train": "async_rl.min_groups_for_streaming_train",
+    "deterministic_chunks": "async_rl.deterministic_chunks",
     "num_prompts_per_step": "ppo.num_prompts_per_step",
 }
 
@@ -50,6 +51,11 @@ class SamplerConfig:
     """``async_rl.sampler.max_staleness_versions`` (``ready_first``): eligible version lag."""
     evict_stale: bool = False
     """``async_rl.sampler.evict_stale`` (``ready_first``): drop too-stale groups for re-dispatch."""
+    deterministic_chunks: bool = False
+    """``async_rl.deterministic_chunks``: cut every step into the fixed blocks of
+    :func:`ppo_sampler.fixed_chunk_sizes`, released in order as each is complete, so chunk
+    composition depends on the seed and config only. Needs ``in_order`` with
+    ``max_lookahead_versions=0`` (no group is generated before the previous update)."""
 
     def __post_init__(self) -> None:
         if self.name not in SAMPLER_NAMES:
@@ -74,6 +80,31 @@ class SamplerConfig:
         _int_key("max_staleness_versions", self.max_staleness_versions, minimum=0, fix="0 or more")
         if not isinstance(self.evict_stale, bool):
             raise ValueError(f"{_KEYS['evict_stale']}={self.evict_stale!r} must be true or false")
+        self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        key = _KEYS["deterministic_chunks"]
+        if not isinstance(self.deterministic_chunks, bool):
+            raise ValueError(f"{key}={self.deterministic_chunks!r} must be true or false")
+        if not self.deterministic_chunks:
+            return
+        # The rule: every group of a step is generated with the weights of the update
+        # before it, and each step's chunks are cut in its dispatch order. ready_first picks
+        # groups across steps by readiness; a lookahead lets the next step's groups be
+        # generated before or after the refit, whichever comes first.
+        if self.name != "in_order":
+            raise ValueError(
+                f"{key}=true needs {_KEYS['name']}=in_order, not {self.name!r} (which trains "
+                f"groups in the order they finish, across steps); set {_KEYS['name']}=in_order, "
+                f"or {key}=false"
+            )
+        if self.max_lookahead_versions != 0:
+            raise ValueError(
+                f"{key}=true needs {_KEYS['max_lookahead_versions']}=0, not "
+                f"{self.max_lookahead_versions} (whether a look-ahead group is generated before "
+                f"or after the refit depends on timing); set "
+                f"{_KEYS['max_lookahead_versions']}=0, or {key}=false"
+            )
 
     @property
     def full_batch(self) -> bool:
@@ -87,6 +118,7 @@ class SamplerConfig:
             ppo: {num_prompts_per_step: 256}
             async_rl:
               min_groups_for_streaming_train: 32   # absent: full batch
+              deterministic_chunks: false          # absent: false
               sampler: {name: in_order, max_lookahead_versions: 1}
 
         Other keys under ``ppo`` and ``async_rl`` belong to the driver and are ignored;
@@ -107,6 +139,7 @@ class SamplerConfig:
         return cls(
             num_prompts_per_step=batch,
             min_groups_for_streaming_train=async_rl.get("min_groups_for_streaming_train", batch),
+            deterministic_chunks=async_rl.get("deterministic_chunks", False),
             **sampler,
         )
 
@@ -123,7 +156,10 @@ def _section(config: Mapping[str, Any], key: str, *, prefix: str = "") -> Mappin
 def make_sampler(config: SamplerConfig) -> Sampler:
     """Build the sampler ``config.name`` names, with its settings."""
     if config.name == "in_order":
-        return InOrderSampler(max_lookahead_versions=config.max_lookahead_versions)
+        return InOrderSampler(
+            max_lookahead_versions=config.max_lookahead_versions,
+            fixed_chunks=config.deterministic_chunks,
+        )
     return ReadyFirstSampler(
         max_staleness_versions=config.max_staleness_versions, evict_stale=config.evict_stale
     )

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Protocol
 
-from ppo_sampler._chunk import _require_int, plan_chunk
+from ppo_sampler._chunk import _require_int, plan_chunk, plan_fixed_chunk
 
 __all__ = ["GroupId", "InOrderSampler", "ReadyFirstSampler", "Sampler"]
 
@@ -189,12 +189,18 @@ class _SamplerBase:
         _require_int(fn, "trainer_version", trainer_version, minimum=0, why="policy version")
         ready = self._eligible_count(trainer_step, trainer_version)
         # plan first: a bad argument raises before any state changes
-        n = plan_chunk(ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment)
+        n = self._plan(ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment)
         self._trainer_step, self._trainer_version = trainer_step, trainer_version
         self._before_select(trainer_version)
         if n == 0:
             return []
         return self._claim(trainer_step, trainer_version, n)
+
+    def _plan(self, *, ready: int, remaining: int, min_groups: int, alignment: int) -> int:
+        """The chunk size to claim now (``plan_chunk``; fixed blocks for ``in_order``)."""
+        return plan_chunk(
+            ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment
+        )
 
     def _before_select(self, trainer_version: int) -> None:
         """Hook run at the start of ``select`` (eviction for ``ready_first``)."""
@@ -320,12 +326,24 @@ class InOrderSampler(_SamplerBase):
 
     Groups carry the step they were dispatched for; generation may run at most
     ``max_lookahead_versions`` steps ahead of training (see :meth:`can_dispatch`).
+
+    With ``fixed_chunks=True`` (``async_rl.deterministic_chunks``) chunks are the fixed
+    blocks of :func:`ppo_sampler.plan_fixed_chunk`, claimed in the order the groups were
+    added, so the caller must ``add`` each step's groups in dispatch order (the order
+    they were sent to generation, not the order they finished): then which groups form
+    each chunk depends only on that order, never on timing.
     """
 
     name: ClassVar[str] = "in_order"
 
-    def __init__(self, *, max_lookahead_versions: int = 1) -> None:
+    def __init__(self, *, max_lookahead_versions: int = 1, fixed_chunks: bool = False) -> None:
         super().__init__()
+        if not isinstance(fixed_chunks, bool):
+            raise ValueError(
+                f"InOrderSampler: fixed_chunks={fixed_chunks!r} must be a bool "
+                "(async_rl.deterministic_chunks)"
+            )
+        self.fixed_chunks = fixed_chunks
         self.max_lookahead_versions = _require_int(
             "InOrderSampler",
             "max_lookahead_versions",
@@ -350,8 +368,15 @@ class InOrderSampler(_SamplerBase):
     def _claim(self, trainer_step: int, trainer_version: int, n: int) -> list[GroupId]:
         return self._b.claim_from(trainer_step, n)
 
+    def _plan(self, *, ready: int, remaining: int, min_groups: int, alignment: int) -> int:
+        plan = plan_fixed_chunk if self.fixed_chunks else plan_chunk
+        return plan(ready=ready, remaining=remaining, min_groups=min_groups, alignment=alignment)
+
     def _settings(self) -> dict[str, Any]:
-        return {"max_lookahead_versions": self.max_lookahead_versions}
+        return {
+            "max_lookahead_versions": self.max_lookahead_versions,
+            "fixed_chunks": self.fixed_chunks,
+        }
 
     def stale(self) -> list[GroupId]:
         """Ready groups of steps before the last selected ``trainer_step`` (left behind)."""

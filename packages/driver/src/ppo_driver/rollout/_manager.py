@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ._buffer import ReplayBuffer, build_batch
-from ._task import PromptDataset, RewardError, RewardFailure, RewardFn, score_group
+from ._task import PromptDataset, RewardError, RewardFailure, RewardFn, ScoredGroup, score_group
 from ._types import EngineRestarted, GroupOutput, GroupRequest, SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -76,6 +76,10 @@ class RolloutManager:
             0: no limit); see :func:`score_group`.
         max_consecutive_group_failures: raise :class:`RewardFailure` when this many
             groups fail in a row (``None``: never).
+        file_in_dispatch_order: file finished groups (replay buffer + ``sampler.add``) in
+            the order they were dispatched, each once every group dispatched before it is
+            filed or failed, instead of as they finish (``async_rl.deterministic_chunks``:
+            the sampler's fixed chunks are then the same groups whatever the timing).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class RolloutManager:
         on_engine_restart: Callable[[int, Any], None] | None = None,
         reward_timeout_s: float | None = 60.0,
         max_consecutive_group_failures: int | None = 32,
+        file_in_dispatch_order: bool = False,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -123,6 +128,12 @@ class RolloutManager:
         self.on_engine_restart = on_engine_restart
         self.reward_timeout_s = reward_timeout_s or None
         self.max_consecutive_group_failures = max_consecutive_group_failures
+        self.file_in_dispatch_order = file_in_dispatch_order
+        # finished and scored, not yet filed: gid -> (group, step, weight version)
+        self._held: dict[int, tuple[ScoredGroup, int, int]] = {}
+        # file_in_dispatch_order: dispatched ids neither filed nor failed, ascending (ids
+        # are handed out in increasing order)
+        self._unfiled: dict[int, None] = {}
         self._failure_streak = 0
         self._streak_start = ""  # the first failure of the current streak, with traceback
         # dispatch position
@@ -194,6 +205,8 @@ class RolloutManager:
             gid = self.next_prompt
             self.next_prompt += 1
             self._assigned[step] += 1
+            if self.file_in_dispatch_order:
+                self._unfiled[gid] = None
             out.append((gid, step))
         return out
 
@@ -241,7 +254,6 @@ class RolloutManager:
                 self._pending.appendleft((g, s))
                 self.redispatched.append(g)
             return []
-        ready: list[int] = []
         for (gid, step), out in zip(call.groups, outputs, strict=True):
             assert out.prompt_index == gid, (out.prompt_index, gid)
             try:
@@ -253,13 +265,29 @@ class RolloutManager:
                     timeout_s=self.reward_timeout_s,
                 )
             except RewardError as exc:
+                self._unfiled.pop(gid, None)
                 self._group_failed(gid, step, exc)
                 continue
             self._failure_streak = 0
+            self._held[gid] = (scored, step, out.weight_version)
+        return self._file_held()
+
+    def _file_held(self) -> list[int]:
+        """File finished groups in the replay buffer and report them ready to the sampler:
+        all of them, or with ``file_in_dispatch_order`` those dispatched before every
+        group still out, in dispatch order. Returns the filed ids."""
+        if self.file_in_dispatch_order:
+            order: list[int] = []
+            while self._unfiled and (gid := next(iter(self._unfiled))) in self._held:
+                del self._unfiled[gid]
+                order.append(gid)
+        else:
+            order = list(self._held)
+        for gid in order:
+            scored, step, version = self._held.pop(gid)
             self.buffer.add(scored, step=step)
-            self.sampler.add(gid, step=step, weight_version=out.weight_version)
-            ready.append(gid)
-        return ready
+            self.sampler.add(gid, step=step, weight_version=version)
+        return order
 
     def _group_failed(self, gid: int, step: int, exc: RewardError) -> None:
         """Record the failure and reopen its step; raise after too many in a row."""
@@ -363,6 +391,7 @@ class RolloutManager:
         buf_meta, tensors = self.buffer.state_dict()
         lost = [[g, s] for c in self._in_flight.values() for g, s in c.groups]
         lost += [[g, s] for g, s in self._pending]
+        lost += [[g, s] for g, (_, s, _) in self._held.items()]  # generated again on load
         meta = {
             "format": _FORMAT,
             "next_prompt": self.next_prompt,
@@ -386,6 +415,9 @@ class RolloutManager:
         self._assigned = Counter({int(k): int(v) for k, v in meta["assigned"].items()})
         self._fill_step = 0
         self._pending = deque((int(g), int(s)) for g, s in meta["to_dispatch"])
+        self._held = {}
+        if self.file_in_dispatch_order:
+            self._unfiled = dict.fromkeys(sorted(g for g, _ in self._pending))
         self.failures = [GroupFailure(int(g), int(s), str(m)) for g, s, m in meta["failures"]]
 
     def save(self, path: str | Path) -> None:
