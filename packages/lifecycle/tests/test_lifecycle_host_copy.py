@@ -307,6 +307,77 @@ def test_spill_spreads_pieces_over_files_and_threads(monkeypatch: pytest.MonkeyP
     assert_bit_exact(before, snapshot(model, opt))
 
 
+def test_spill_moves_many_pieces_per_call_and_resumes_short_transfers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small storages go to and from the files a batch per system call (at most
+    ``_IOV_MAX`` buffers each), and a short transfer is resumed where it stopped."""
+    import os
+
+    from ppo_lifecycle import _backends
+
+    monkeypatch.setattr(_backends, "_IOV_MAX", 3)
+    calls = {"pwritev": 0, "preadv": 0}
+
+    def short(name: str) -> object:
+        real = getattr(os, name)
+
+        def call(fd: int, buffers: list[memoryview], offset: int) -> int:
+            calls[name] += 1
+            assert len(buffers) <= 3
+            head = [buffers[0][: max(1, len(buffers[0]) // 2)]]  # half the first buffer
+            return int(real(fd, head, offset))
+
+        return call
+
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"), spill_files=1)
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    count = len({t.untyped_storage()._cdata for t in manager._inventory()[Part.PARAMETERS]})
+    assert count > 3
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwritev", short("pwritev"))
+        patch.setattr(os, "preadv", short("preadv"))
+        manager.sleep()
+        manager.wake_up()
+    assert calls["pwritev"] > count and calls["preadv"] > count  # halves, resumed
+    assert_bit_exact(before, snapshot(model, opt))
+
+    calls = {"pwritev": 0, "preadv": 0}
+
+    def counted(name: str) -> object:
+        real = getattr(os, name)
+
+        def call(fd: int, buffers: list[memoryview], offset: int) -> int:
+            calls[name] += 1
+            assert len(buffers) <= 3
+            return int(real(fd, buffers, offset))
+
+        return call
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwritev", counted("pwritev"))
+        patch.setattr(os, "preadv", counted("preadv"))
+        manager.sleep(parts={Part.PARAMETERS})
+        manager.wake_up()
+    assert calls["pwritev"] == calls["preadv"] == -(-count // 3)  # one call per 3 storages
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_spill_read_of_a_truncated_copy_fails_loudly() -> None:
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"), spill_files=1)
+    manager = OffloadManager(model, opt, backend=backend)
+    manager.sleep(parts={Part.PARAMETERS})
+    import os
+
+    spill = backend._spills[Part.PARAMETERS]
+    os.ftruncate(spill.fds[0], spill.nbytes() - 1)
+    with pytest.raises(OSError, match="host copy ends early"):
+        manager.wake_up()
+
+
 def test_failed_spill_write_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
@@ -319,7 +390,7 @@ def test_failed_spill_write_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> No
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "pwrite", full)
+        patch.setattr(os, "pwritev", full)
         with pytest.raises(OSError, match="No space left"):
             manager.sleep()
     assert not manager.is_asleep and manager.device_bytes() == resident

@@ -143,6 +143,34 @@ def _close_all(fds: list[int]) -> None:
 #: Storages are cut into pieces of at most this many bytes, spread over the files.
 _SPILL_CHUNK = 32 * 2**20
 
+#: At most this many buffers go to one ``pwritev``/``preadv`` (Linux's ``IOV_MAX``).
+_IOV_MAX = 1024
+
+
+def _transfer(
+    call: Callable[[int, Sequence[memoryview], int], int],
+    fd: int,
+    views: Sequence[memoryview],
+    offset: int,
+) -> int:
+    """Move ``views``, back to back from ``offset`` of ``fd``, through ``call``
+    (``os.pwritev`` or ``os.preadv``): many buffers per system call (small tensors cost
+    one call per batch, not one each), resuming after a short transfer. Returns the bytes
+    moved; fewer than ``views`` hold only where ``call`` moved nothing (end of file)."""
+    pending = list(views)
+    first = moved = 0
+    while first < len(pending):
+        got = call(fd, pending[first : first + _IOV_MAX], offset + moved)
+        if got <= 0:
+            break
+        moved += got
+        while first < len(pending) and got >= len(pending[first]):
+            got -= len(pending[first])
+            first += 1
+        if got:
+            pending[first] = pending[first][got:]
+    return moved
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -158,10 +186,11 @@ class _Spill:
 
     On a CPU "device" a copy in the process's own memory cannot lower its resident
     set, so the bytes go to ``memfd`` files (kernel shared memory, not mapped, so not
-    counted in the process's RSS) through ``pwrite``/``preadv``, spread over up to
-    ``files`` files so that several threads copy at once (writes to one file are
-    serialised by the kernel). The files are closed with the backend; nothing is
-    left behind, even when the process dies.
+    counted in the process's RSS) through ``pwritev``/``preadv`` (many pieces per
+    call), spread over up to ``files`` files so that several threads copy at once
+    (writes to one file are serialised by the kernel), and freed by as many threads
+    at the wake-up. The files are closed with the backend; nothing is left behind,
+    even when the process dies.
     """
 
     def __init__(self, label: str, files: int) -> None:
@@ -172,6 +201,8 @@ class _Spill:
         self._finalizer = weakref.finalize(self, _close_all, self.fds)
 
     def _layout(self, sizes: Sequence[int]) -> list[_Piece]:
+        """Cut ``sizes`` into pieces over the files; each file's pieces, in list order,
+        follow each other from its start (one run of bytes per file)."""
         total = sum(sizes)
         count = min(self.max_files, max(1, -(-total // _SPILL_CHUNK)))
         while len(self.fds) < count:
@@ -189,61 +220,62 @@ class _Spill:
                 os.ftruncate(fd, size)  # a cached file longer than needed
         return pieces
 
-    def _run(self, job: Callable[[int, list[_Piece]], None]) -> None:
-        by_file: dict[int, list[_Piece]] = {}
-        for piece in self.pieces:
-            by_file.setdefault(piece.file, []).append(piece)
-        if len(by_file) <= 1:
-            for file, pieces in by_file.items():
-                job(file, pieces)
+    @staticmethod
+    def _in_parallel(jobs: Sequence[Callable[[], None]]) -> None:
+        """Run ``jobs`` at once, one thread each (none for a single job); the first
+        failure is raised once every job has ended."""
+        if len(jobs) <= 1:
+            for job in jobs:
+                job()
             return
-        with ThreadPoolExecutor(len(by_file), thread_name_prefix="ppo_lifecycle") as pool:
-            for future in [pool.submit(job, f, p) for f, p in by_file.items()]:
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="ppo_lifecycle") as pool:
+            for future in [pool.submit(job) for job in jobs]:
                 future.result()
+
+    def _views(
+        self, storages: Sequence[torch.UntypedStorage]
+    ) -> dict[int, tuple[int, list[memoryview]]]:
+        """Per file: where its pieces start in it and their bytes, in file order (a
+        file's pieces follow each other, see :meth:`_layout`)."""
+        whole = [_bytes_of(s) for s in storages]
+        out: dict[int, tuple[int, list[memoryview]]] = {}
+        for piece in self.pieces:
+            _, views = out.setdefault(piece.file, (piece.offset, []))
+            views.append(whole[piece.item][piece.start : piece.start + piece.length])
+        return out
 
     def write(self, storages: Sequence[torch.UntypedStorage]) -> None:
         """Copy every storage's bytes into the files (the storages are left as they are)."""
         self.pieces = self._layout([s.nbytes() for s in storages])
-        views = [_bytes_of(s) for s in storages]
+        by_file = self._views(storages)
 
-        def job(file: int, pieces: list[_Piece]) -> None:
-            fd = self.fds[file]
-            for piece in pieces:
-                view = views[piece.item][piece.start : piece.start + piece.length]
-                done = 0
-                while done < piece.length:
-                    done += os.pwrite(fd, view[done:], piece.offset + done)
+        def job(file: int, offset: int, views: list[memoryview]) -> None:
+            if _transfer(os.pwritev, self.fds[file], views, offset) < sum(map(len, views)):
+                raise OSError(f"{self.label}: the host copy stopped growing (file {file})")
 
         try:
-            self._run(job)
+            self._in_parallel([functools.partial(job, f, *v) for f, v in by_file.items()])
         except BaseException:
             self.drop()
             raise
 
     def read(self, storages: Sequence[torch.UntypedStorage]) -> None:
         """Copy the bytes back into ``storages`` (allocated, same sizes as written)."""
-        views = [_bytes_of(s) for s in storages]
+        by_file = self._views(storages)
 
-        def job(file: int, pieces: list[_Piece]) -> None:
-            fd = self.fds[file]
-            for piece in pieces:
-                view = views[piece.item][piece.start : piece.start + piece.length]
-                done = 0
-                while done < piece.length:
-                    got = os.preadv(fd, [view[done:]], piece.offset + done)
-                    if got <= 0:
-                        raise OSError(
-                            f"{self.label}: host copy ends early "
-                            f"({piece.offset + done} bytes in file {file})"
-                        )
-                    done += got
+        def job(file: int, offset: int, views: list[memoryview]) -> None:
+            got = _transfer(os.preadv, self.fds[file], views, offset)
+            if got < sum(map(len, views)):
+                raise OSError(
+                    f"{self.label}: host copy ends early ({offset + got} bytes in file {file})"
+                )
 
-        self._run(job)
+        self._in_parallel([functools.partial(job, f, *v) for f, v in by_file.items()])
 
     def drop(self) -> None:
-        """Free the files' memory (they stay open for the next sleep)."""
-        for fd in self.fds:
-            os.ftruncate(fd, 0)
+        """Free the files' memory (they stay open for the next sleep), one thread per
+        file (the kernel frees them page by page: as much work as filling them)."""
+        self._in_parallel([functools.partial(os.ftruncate, fd, 0) for fd in self.fds])
         self.pieces = []
 
     def nbytes(self) -> int:
