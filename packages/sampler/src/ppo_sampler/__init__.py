@@ -18,7 +18,7 @@ from ppo_sampler._chunk import (
 from ppo_sampler._config import SAMPLER_NAMES, SamplerConfig, make_sampler
 from ppo_sampler._samplers import GroupId, InOrderSampler, ReadyFirstSampler, Sampler
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "SAMPLER_NAMES",
