@@ -419,7 +419,7 @@ _RUN_FILES = frozenset({"config.yaml", "train.log", "metrics.jsonl", "checkpoint
 def _failed_start(run_dir: Path, names: Sequence[str]) -> bool:
     """Only what a run that stopped before finishing a step leaves behind (its config,
     its log, an empty metrics file or checkpoint folder): nothing a new run could lose."""
-    if not set(names) <= {"config.yaml", "train.log", "trace.json", "metrics.jsonl", "checkpoints"}:
+    if not set(names) <= _RUN_FILES | {"trace.json"}:
         return False
     metrics, ckpts = run_dir / "metrics.jsonl", run_dir / "checkpoints"
     if metrics.exists() and (not metrics.is_file() or metrics.stat().st_size > 0):
