@@ -131,6 +131,21 @@ def test_streaming_chunks_counters_and_outputs(
         "value",
         "backward",
     } <= phases
+    # each chunk wakes only what its work needs: the actor its parameters, buffers and
+    # (kept) gradients for train_chunk; its optimizer state comes back once per step,
+    # for the update; the critic's value forwards leave its optimizer state asleep
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("cat") == "chunk"]
+    switches = [e for e in trace if e.get("cat") == "switch"]
+    in_chunks = [e["name"] for e in switches if any(a <= e["ts"] < b for a, b in spans)]
+    assert set(in_chunks) <= {
+        "critic.sleep(all)",
+        "actor.wake_up(parameters+buffers+gradients)",
+        "actor.sleep(keep_grads)",
+    }, in_chunks
+    assert in_chunks.count("actor.wake_up(parameters+buffers+gradients)") == sum(closing.values())
+    names = [e["name"] for e in switches]
+    assert names.count("actor.wake_up(optimizer)") == 3
+    assert "critic.wake_up(parameters+buffers)" in names
     for s in (0, 1):
         critic_end = max(
             e["ts"] + e["dur"]

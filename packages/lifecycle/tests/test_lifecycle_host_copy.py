@@ -17,6 +17,7 @@ from lifecycle_models import (
 )
 from ppo_lifecycle import (
     ALL_PARTS,
+    FORWARD_PARTS,
     KEEP_GRADIENTS,
     HostCopyBackend,
     Offloadable,
@@ -174,6 +175,62 @@ def test_wake_up_on_resident_model_only_reloads_process_groups(
     manager.wake_up()
     assert events == ["reload", "release", "reload"]
     assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_wake_up_forward_parts_leaves_the_rest_asleep(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = _trained()
+    reloads: list[str] = []
+    manager = OffloadManager(
+        model, opt, name="critic", on_reload_process_groups=lambda: reloads.append("reload")
+    )
+    before = snapshot(model, opt)
+    sizes = manager.part_bytes()
+    tokens = batch(5)
+    with torch.no_grad():
+        logits = model(tokens)
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    manager.sleep()
+
+    manager.wake_up(parts=FORWARD_PARTS)
+
+    assert manager.resident_parts == FORWARD_PARTS
+    assert manager.asleep_parts == {Part.OPTIMIZER, Part.GRADIENTS} and manager.is_asleep
+    assert all(g is not None and g.untyped_storage().nbytes() == 0 for g in grads)
+    assert all(t.untyped_storage().nbytes() == 0 for t in state)
+    assert all(p.untyped_storage().nbytes() > 0 for p in params)
+    assert manager.device_bytes() == sizes[Part.PARAMETERS] + sizes[Part.BUFFERS]
+    assert manager.part_bytes() == sizes  # the asleep parts as they were put to sleep
+    with torch.no_grad():
+        assert torch.equal(model(tokens), logits)  # enough for a forward
+    assert reloads == ["reload"]
+    # Again: nothing moves, process groups only.
+    with caplog.at_level(logging.INFO, logger="ppo_lifecycle"):
+        manager.wake_up(parts=FORWARD_PARTS)
+    assert "wake_up(parameters+buffers) while already resident" in caplog.text
+    assert reloads == ["reload"] * 2
+    assert manager.asleep_parts == {Part.OPTIMIZER, Part.GRADIENTS}
+    # The rest comes back bit-exact, in the same tensor objects.
+    manager.wake_up()
+    assert not manager.is_asleep and reloads == ["reload"] * 3
+    assert_bit_exact(before, snapshot(model, opt))
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert manager.device_bytes() == sum(sizes.values())
+
+
+def test_wake_up_parts_are_validated() -> None:
+    model, opt = _trained()
+    manager = OffloadManager(model, opt)
+    manager.sleep()
+    with pytest.raises(ValueError, match="parts: empty selection"):
+        manager.wake_up(parts=[])
+    with pytest.raises(ValueError, match="parts: 'weights' is not a part"):
+        manager.wake_up(parts=["parameters", "weights"])  # type: ignore[list-item]
+    assert manager.asleep_parts == ALL_PARTS  # nothing moved
+    manager.wake_up(parts=["optimizer"])  # type: ignore[list-item]  # names work too
+    assert manager.asleep_parts == ALL_PARTS - {Part.OPTIMIZER}
+    manager.wake_up()
 
 
 def test_bad_parts_and_backend_are_named() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 from ppo_lifecycle import (
+    BACKWARD_PARTS,
+    FORWARD_PARTS,
     KEEP_GRADIENTS,
     Action,
     Part,
@@ -41,10 +43,40 @@ def test_default_budget_is_one_model_plus_the_others_gradients() -> None:
 
 def test_two_full_models_are_refused_and_nothing_changes() -> None:
     ledger = _ledger()
-    with pytest.raises(ResidencyError, match=r"actor.wake_up\(\): cuda:0 would hold 764 bytes"):
+    with pytest.raises(ResidencyError, match=r"actor.wake_up\(all\): cuda:0 would hold 764 bytes"):
         ledger.wake_up("actor")
     assert ledger.resident_parts("actor") == frozenset()
     assert ledger.resident_bytes("cuda:0") == 360
+
+
+def test_wake_up_grows_only_the_named_parts() -> None:
+    ledger = _ledger()
+    ledger.sleep("critic")
+    ledger.wake_up("actor", FORWARD_PARTS)
+    assert ledger.resident_parts("actor", "cuda:1") == FORWARD_PARTS
+    assert ledger.resident_bytes("cuda:0") == 104
+    ledger.apply(Transition(Role.ACTOR, Action.WAKE_UP, BACKWARD_PARTS))  # adds the gradients
+    assert ledger.resident_parts("actor") == BACKWARD_PARTS
+    assert ledger.resident_bytes("cuda:1") == 204
+    ledger.wake_up("actor", ["optimizer"])  # type: ignore[list-item]
+    assert ledger.resident_parts("actor") == set(Part)
+    ledger.sleep("actor", KEEP_GRADIENTS)
+    ledger.wake_up("critic", FORWARD_PARTS)
+    assert ledger.report()["cuda:0"] == {
+        "actor": {"gradients": 100},
+        "critic": {"parameters": 90, "buffers": 0},
+    }
+    with pytest.raises(ValueError, match="parts: empty selection"):
+        ledger.wake_up("actor", [])
+    # An over-budget partial wake-up names its parts and changes nothing.
+    full_critic = _ledger()
+    with pytest.raises(ResidencyError, match=r"actor.wake_up\(optimizer\): cuda:0 would hold 560"):
+        full_critic.wake_up("actor", [Part.OPTIMIZER])
+    assert full_critic.resident_parts("actor") == frozenset()
+    with pytest.raises(ResidencyError, match=r"step 0 \(actor.wake_up\(parameters\+optimizer\)\)"):
+        full_critic.check_plan(
+            [Transition(Role.ACTOR, Action.WAKE_UP, frozenset({Part.PARAMETERS, Part.OPTIMIZER}))]
+        )
 
 
 def test_configurable_budget() -> None:

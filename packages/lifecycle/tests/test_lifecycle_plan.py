@@ -6,6 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from ppo_lifecycle import (
+    ALL_PARTS,
+    BACKWARD_PARTS,
+    FORWARD_PARTS,
     KEEP_GRADIENTS,
     Action,
     Part,
@@ -14,8 +17,10 @@ from ppo_lifecycle import (
     Role,
     Transition,
     Work,
+    phase_parts,
     plan_transitions,
 )
+from ppo_lifecycle._parts import parts_label
 
 V, PF, PB = Phase.VALUE_FORWARD, Phase.POLICY_FORWARD, Phase.POLICY_BACKWARD
 UPD, REFIT, CT, SAVE, W = (
@@ -25,6 +30,8 @@ UPD, REFIT, CT, SAVE, W = (
     Phase.CHECKPOINT_SAVE,
     Phase.WAIT,
 )
+A, C = Role.ACTOR, Role.CRITIC
+P, OPT, G, B = Part.PARAMETERS, Part.OPTIMIZER, Part.GRADIENTS, Part.BUFFERS
 CHUNK = [V, PF, PB]
 TAIL = [UPD, REFIT, CT]
 
@@ -42,16 +49,18 @@ def _render(plan: list[Transition | Work]) -> list[str]:
             [
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers)",
                 "policy_forward@actor",
+                "actor.wake_up(gradients)",
                 "policy_backward@actor",
+                "actor.wake_up(optimizer)",
                 "policy_update@actor",
                 "refit@actor",
                 "actor.sleep(all)",
                 "critic.wake_up",
                 "critic_train@critic",
             ],
-            id="full-batch: value forward first, early refit, two switches",
+            id="full-batch: two switches, the actor's parts come back as its phases need them",
         ),
         pytest.param(
             [*CHUNK, W, *CHUNK, *TAIL],
@@ -59,24 +68,27 @@ def _render(plan: list[Transition | Work]) -> list[str]:
             [
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers)",
                 "policy_forward@actor",
+                "actor.wake_up(gradients)",
                 "policy_backward@actor",
                 "actor.sleep(keep_grads)",
-                "critic.wake_up",
+                "critic.wake_up(parameters+buffers)",
                 "wait",
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                # the kept gradients are named (resident after it), not moved
+                "actor.wake_up(parameters+buffers+gradients)",
                 "policy_forward@actor",
                 "policy_backward@actor",
+                "actor.wake_up(optimizer)",
                 "policy_update@actor",
                 "refit@actor",
                 "actor.sleep(all)",
                 "critic.wake_up",
                 "critic_train@critic",
             ],
-            id="two chunks: critic prepared before waiting, actor keeps gradients",
+            id="two chunks: critic prepared for a forward before waiting, actor keeps gradients",
         ),
         pytest.param(
             [*CHUNK, W, W, W, *CHUNK, *TAIL],
@@ -84,19 +96,21 @@ def _render(plan: list[Transition | Work]) -> list[str]:
             [
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers)",
                 "policy_forward@actor",
+                "actor.wake_up(gradients)",
                 "policy_backward@actor",
                 "actor.sleep(keep_grads)",
-                "critic.wake_up",
+                "critic.wake_up(parameters+buffers)",
                 "wait",
                 "wait",
                 "wait",
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers+gradients)",
                 "policy_forward@actor",
                 "policy_backward@actor",
+                "actor.wake_up(optimizer)",
                 "policy_update@actor",
                 "refit@actor",
                 "actor.sleep(all)",
@@ -112,9 +126,11 @@ def _render(plan: list[Transition | Work]) -> list[str]:
                 "wait",
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers)",
                 "policy_forward@actor",
+                "actor.wake_up(gradients)",
                 "policy_backward@actor",
+                "actor.wake_up(optimizer)",  # prepared for the update before waiting
                 "wait",
                 "policy_update@actor",
                 "refit@actor",
@@ -122,7 +138,7 @@ def _render(plan: list[Transition | Work]) -> list[str]:
                 "critic.wake_up",
                 "critic_train@critic",
             ],
-            id="wait before the update: the actor stays, gradients and all",
+            id="wait before the update: the actor stays and its optimizer comes back first",
         ),
         pytest.param(
             [*CHUNK, *TAIL, SAVE],
@@ -130,9 +146,11 @@ def _render(plan: list[Transition | Work]) -> list[str]:
             [
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers)",
                 "policy_forward@actor",
+                "actor.wake_up(gradients)",
                 "policy_backward@actor",
+                "actor.wake_up(optimizer)",
                 "policy_update@actor",
                 "refit@actor",
                 "actor.sleep(all)",
@@ -143,9 +161,9 @@ def _render(plan: list[Transition | Work]) -> list[str]:
                 "actor.wake_up",
                 "checkpoint_save@actor",
                 "actor.sleep(all)",
-                "critic.wake_up",
+                "critic.wake_up(parameters+buffers)",
             ],
-            id="checkpoint: resident model saved first, critic left ready",
+            id="checkpoint: resident model saved first, critic left ready for a forward",
         ),
         pytest.param(
             [V, W, V, W, V, CT],
@@ -161,29 +179,66 @@ def _render(plan: list[Transition | Work]) -> list[str]:
             id="critic warmup: policy phases skipped, never a switch",
         ),
         pytest.param(
+            [V, W, V, CT],
+            {"resident_parts": FORWARD_PARTS},
+            [
+                "value_forward@critic",
+                "wait",
+                "value_forward@critic",
+                "critic.wake_up(gradients+optimizer)",
+                "critic_train@critic",
+            ],
+            id="critic resident for a forward: training wakes just the rest, no switch",
+        ),
+        pytest.param(
             [*CHUNK],
             {"resident": None, "end_resident": None},
             [
-                "critic.wake_up",
+                "critic.wake_up(parameters+buffers)",
                 "value_forward@critic",
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers)",
                 "policy_forward@actor",
+                "actor.wake_up(gradients)",
                 "policy_backward@actor",
             ],
             id="cold start, nothing resident, leave as is",
         ),
         pytest.param(
-            [PF, PB, UPD],
-            {"resident": Role.CRITIC, "pending_gradients": True, "end_resident": None},
+            [PB, UPD],
+            {"resident": C, "end_resident": None},
             [
                 "critic.sleep(all)",
-                "actor.wake_up",
+                "actor.wake_up(parameters+buffers+gradients)",
+                "policy_backward@actor",
+                "actor.wake_up(optimizer)",
+                "policy_update@actor",
+            ],
+            id="a backward straight after the critic wakes what a backward needs at once",
+        ),
+        pytest.param(
+            [PF, PB, UPD],
+            {"resident": C, "pending_gradients": True, "end_resident": None},
+            [
+                "critic.sleep(all)",
+                "actor.wake_up(parameters+buffers+gradients)",
                 "policy_forward@actor",
                 "policy_backward@actor",
+                "actor.wake_up(optimizer)",
                 "policy_update@actor",
             ],
             id="resume mid-step with pending gradients",
+        ),
+        pytest.param(
+            [UPD],
+            {
+                "resident": A,
+                "resident_parts": FORWARD_PARTS,
+                "pending_gradients": True,
+                "end_resident": None,
+            },
+            ["actor.wake_up(optimizer)", "policy_update@actor"],
+            id="the actor's pending gradients count as resident: only the optimizer comes back",
         ),
         pytest.param(
             [],
@@ -193,9 +248,15 @@ def _render(plan: list[Transition | Work]) -> list[str]:
         ),
         pytest.param(
             [],
-            {"resident": Role.ACTOR, "pending_gradients": True},
-            ["actor.sleep(keep_grads)", "critic.wake_up"],
-            id="empty step ends by preparing the critic",
+            {"resident": A, "pending_gradients": True},
+            ["actor.sleep(keep_grads)", "critic.wake_up(parameters+buffers)"],
+            id="empty step ends by preparing the critic for a forward",
+        ),
+        pytest.param(
+            [],
+            {"resident": C, "resident_parts": [Part.OPTIMIZER]},
+            ["critic.wake_up(parameters+buffers)"],
+            id="the end wakes the forward parts the resident critic lacks",
         ),
     ],
 )
@@ -208,6 +269,10 @@ def test_plan_errors_name_the_phase() -> None:
         plan_transitions([V, "backward"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"phases\[3\]: checkpoint_save while the actor"):
         plan_transitions([V, PF, PB, SAVE])
+    with pytest.raises(ValueError, match="parts: empty selection"):
+        plan_transitions([V], resident_parts=[])
+    with pytest.raises(ValueError, match="parts: 'weights' is not a part"):
+        plan_transitions([V], resident_parts=["weights"])  # type: ignore[list-item]
 
 
 def test_keep_gradients_transition_carries_the_parts() -> None:
@@ -217,44 +282,108 @@ def test_keep_gradients_transition_carries_the_parts() -> None:
     assert Part.GRADIENTS not in sleeps[1].parts
 
 
+def test_phase_parts_table() -> None:
+    assert {P, B} == FORWARD_PARTS
+    assert {P, B, G} == BACKWARD_PARTS
+    assert {phase: phase_parts(phase) for phase in Phase} == {
+        V: FORWARD_PARTS,
+        PF: FORWARD_PARTS,
+        PB: BACKWARD_PARTS,
+        UPD: ALL_PARTS,
+        REFIT: FORWARD_PARTS,
+        CT: ALL_PARTS,
+        SAVE: ALL_PARTS,
+        W: frozenset(),
+    }
+    assert phase_parts("value_forward") == FORWARD_PARTS  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nap"):
+        phase_parts("nap")  # type: ignore[arg-type]
+
+
+def test_parts_label_and_transition_names() -> None:
+    assert parts_label(ALL_PARTS) == "all"
+    assert parts_label(KEEP_GRADIENTS) == "keep_grads"
+    # named in wake-up order (the reverse of the order parts go to sleep in)
+    assert parts_label(FORWARD_PARTS) == "parameters+buffers"
+    assert parts_label(BACKWARD_PARTS) == "parameters+buffers+gradients"
+    assert parts_label(frozenset({OPT, P})) == "parameters+optimizer"
+    assert parts_label(frozenset({G})) == "gradients"
+    assert str(Transition(C, Action.WAKE_UP)) == "critic.wake_up"
+    assert str(Transition(C, Action.WAKE_UP, FORWARD_PARTS)) == "critic.wake_up(parameters+buffers)"
+    assert str(Transition(A, Action.WAKE_UP, frozenset({OPT}))) == "actor.wake_up(optimizer)"
+    assert str(Transition(A, Action.SLEEP, KEEP_GRADIENTS)) == "actor.sleep(keep_grads)"
+    assert str(Transition(A, Action.SLEEP)) == "actor.sleep(all)"
+
+
 _phase_lists = st.lists(
     st.sampled_from([p for p in Phase if p is not Phase.CHECKPOINT_SAVE]), max_size=25
 )
+_some_parts = st.frozensets(st.sampled_from(list(Part)), min_size=1)
 
 
-@given(_phase_lists, st.sampled_from([None, Role.ACTOR, Role.CRITIC]))
-def test_plan_properties(phases: list[Phase], resident: Role | None) -> None:
-    plan = plan_transitions(phases, resident=resident)
+@given(_phase_lists, st.sampled_from([None, A, C]), st.booleans(), _some_parts)
+def test_plan_properties(
+    phases: list[Phase], resident: Role | None, pending: bool, resident_parts: frozenset[Part]
+) -> None:
+    plan = plan_transitions(
+        phases, resident=resident, pending_gradients=pending, resident_parts=resident_parts
+    )
     # Work items are the phases, in order, untouched.
     assert [s.phase for s in plan if isinstance(s, Work)] == phases
-    # Replay: each work item runs on its model while it is the only resident one,
-    # no model wakes twice or sleeps twice, and every wake is needed.
-    state = {Role.ACTOR: resident is Role.ACTOR, Role.CRITIC: resident is Role.CRITIC}
-    pending = False
+    # Replay, per part: each work item finds what its phase needs resident on its model,
+    # which is the only one holding more than the actor's kept gradients; no transition
+    # is redundant and a wake-up brings back exactly what the model's next work needs.
+    held: dict[Role, frozenset[Part]] = {A: frozenset(), C: frozenset()}
+    if resident is not None:
+        held[resident] = resident_parts
+    if pending:
+        held[A] |= {G}
+
+    def kept(role: Role) -> frozenset[Part]:
+        return frozenset({G}) if role is A and pending else frozenset()
+
+    def in_use() -> list[Role]:
+        return [r for r in Role if held[r] - kept(r)]
+
+    def next_needs(role: Role, index: int) -> frozenset[Part]:
+        later = (s for s in plan[index + 1 :] if isinstance(s, Work) and s.role is role)
+        upcoming = next(later, None)
+        return FORWARD_PARTS if upcoming is None else phase_parts(upcoming.phase)  # end: critic
+
+    switch_wakes = 0
     for i, step in enumerate(plan):
         if isinstance(step, Transition):
-            awake = state[step.role]
-            assert awake is (step.action is Action.SLEEP), f"redundant {step} at {i}"
-            state[step.role] = step.action is Action.WAKE_UP
-            assert sum(state.values()) <= 1
-            if step.action is Action.SLEEP and step.role is Role.ACTOR:
-                assert (step.parts == KEEP_GRADIENTS) is pending
+            before, keep = held[step.role], kept(step.role)
+            if step.action is Action.WAKE_UP:
+                assert step.parts - before, f"redundant {step} at {i}"
+                assert step.parts & before <= keep, f"{step} at {i} names resident parts"
+                assert step.parts - keep == next_needs(step.role, i) - before - keep, (step, i)
+                switch_wakes += in_use() != [step.role]
+                held[step.role] = before | step.parts
+            else:
+                assert before - keep, f"redundant {step} at {i}: nothing but kept gradients"
+                assert step.parts == (KEEP_GRADIENTS if keep else ALL_PARTS), (step, i)
+                held[step.role] = before - step.parts
+            assert len(in_use()) <= 1, f"two models resident after {step} at {i}: {held}"
+            assert not pending or G in held[A], f"kept gradients left at {i}"
         else:
             if step.role is not None:
-                assert state[step.role], f"{step} on a sleeping model"
+                assert phase_parts(step.phase) <= held[step.role], f"{step} at {i}: {held}"
+                assert in_use() == [step.role], f"{step} at {i}: {held}"
             pending = (pending or step.phase is Phase.POLICY_BACKWARD) and (
                 step.phase is not Phase.POLICY_UPDATE
             )
-    # The number of wakes is the minimum: one per change of the model in use.
-    used = [s.role for s in plan if isinstance(s, Work) and s.role is not None] + [Role.CRITIC]
+    assert in_use() == [C] and held[C] >= FORWARD_PARTS  # ready for the next value forward
+    # The wakes that change the model are the minimum: one per change of the model in use.
+    used = [s.role for s in plan if isinstance(s, Work) and s.role is not None] + [C]
     changes = sum(1 for a, b in zip([resident, *used], used, strict=False) if a is not b)
-    wakes = sum(1 for s in plan if isinstance(s, Transition) and s.action is Action.WAKE_UP)
-    assert wakes == changes
+    assert switch_wakes == changes
     # And the ledger agrees the device never holds two full models.
     ledger = ResidencyLedger()
     sizes = {Part.PARAMETERS: 10, Part.OPTIMIZER: 20, Part.GRADIENTS: 10, Part.BUFFERS: 1}
     for role in Role:
-        ledger.register(
-            role, device="cuda:0", part_bytes=sizes, resident=set(Part) if role is resident else ()
-        )
+        initial = resident_parts if role is resident else frozenset()
+        if role is A and pending:
+            initial |= {G}
+        ledger.register(role, device="cuda:0", part_bytes=sizes, resident=initial)
     ledger.check_plan(plan)

@@ -1,4 +1,5 @@
-"""Random interleavings of sleep / wake_up / training: never double free, never resume twice."""
+"""Random interleavings of sleep / (partial) wake_up / training: never double free,
+never resume twice."""
 
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ class Lifecycle(RuleBasedStateMachine):
         self.manager.wake_up()
         self.asleep.clear()
         assert self.reloads == before + 1  # process groups re-established every time
+
+    @rule(parts=_parts)
+    def wake_up_parts(self, parts: frozenset[Part]) -> None:
+        before = self.reloads
+        self.manager.wake_up(parts=parts)  # only these come back; the rest stay asleep
+        self.asleep -= parts
+        assert self.reloads == before + 1
 
     @precondition(lambda self: not self.asleep)
     @rule(step=st.booleans())

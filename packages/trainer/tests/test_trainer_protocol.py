@@ -12,7 +12,17 @@ import inspect
 import itertools
 
 import pytest
-from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, Action, Role, Transition
+import torch
+from ppo_lifecycle import (
+    ALL_PARTS,
+    BACKWARD_PARTS,
+    FORWARD_PARTS,
+    KEEP_GRADIENTS,
+    Action,
+    Part,
+    Role,
+    Transition,
+)
 from ppo_trainer import ActorWorker, CriticWorker, Mesh, Timeline, loss_denominator
 from ppo_trainer._workers import lifecycle_options
 from trainer_testlib import actor_config, critic_config, make_data
@@ -116,6 +126,71 @@ def test_critic_lifecycle_options_and_counters() -> None:
     assert not critic.is_asleep
     assert labels(critic.last_timeline()) == ["critic.wake_up", "train"]
     assert critic.counters() == {"value_forward": 6, "value_forward_backward": 12}
+
+
+def test_partial_wake_up_brings_back_what_the_work_needs() -> None:
+    """A forward needs parameters and buffers only: the optimizer state (and gradients)
+    stay asleep until work that needs them, which is refused until they are back."""
+    data = make_data(4)
+    critic = CriticWorker(critic_config("torch"))
+    resident = critic.compute_values(data.batch)
+    events: list[str] = []
+    backend = critic._backend
+    backend.release_process_groups = lambda: events.append("release")  # type: ignore[method-assign]
+    backend.restore_process_groups = lambda: events.append("restore")  # type: ignore[method-assign]
+    critic.sleep()
+    values = critic.compute_values(data.batch, wake_first=FORWARD_PARTS, sleep_after=ALL_PARTS)
+    torch.testing.assert_close(values, resident, rtol=0, atol=0)
+    assert labels(critic.last_timeline()) == [
+        "critic.wake_up(parameters+buffers)",
+        "compute_values",
+        "critic.sleep(all)",
+    ]
+    critic.wake_up(parts=FORWARD_PARTS)
+    assert critic.asleep_parts == {Part.OPTIMIZER, Part.GRADIENTS}
+    torch.testing.assert_close(critic.compute_values(data.batch), resident, rtol=0, atol=0)
+    with pytest.raises(
+        RuntimeError, match=r"train\(\) called while asleep \(\['gradients', 'optimizer'\]"
+    ):
+        critic.train(
+            data.batch, returns=data.returns, old_values=values, epochs=1, mini_batch_size=4
+        )
+    critic.train(
+        data.batch,
+        returns=data.returns,
+        old_values=values,
+        epochs=1,
+        mini_batch_size=4,
+        wake_first=True,
+    )
+    assert labels(critic.last_timeline()) == ["critic.wake_up", "train"]
+    assert not critic.is_asleep
+    # groups released by each sleep after a wake-up, restored by every wake-up
+    assert events == ["release", "restore", "release", "restore", "restore"]
+
+    actor = ActorWorker(actor_config("torch", kl_loss_coef=0.1))
+    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
+    ref = actor.compute_ref_logprobs(data.batch)
+    actor.sleep()
+    actor.wake_up(parts=FORWARD_PARTS)  # the reference model comes back whole
+    torch.testing.assert_close(actor.compute_ref_logprobs(data.batch), ref, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"\['gradients'\] asleep"):
+        actor.train_chunk(data.batch, advantages=data.advantages, loss_denominator=den)
+    actor.sleep()
+    actor.train_chunk(
+        data.batch,
+        advantages=data.advantages,
+        loss_denominator=den,
+        wake_first=BACKWARD_PARTS,
+        sleep_after=KEEP_GRADIENTS,
+    )
+    assert labels(actor.last_timeline())[0] == "actor.wake_up(parameters+buffers+gradients)"
+    actor.wake_up(parts=FORWARD_PARTS)
+    with pytest.raises(RuntimeError, match=r"\['optimizer'\] asleep"):
+        actor.finish_step()
+    actor.finish_step(wake_first={Part.OPTIMIZER})
+    assert labels(actor.last_timeline()) == ["actor.wake_up(optimizer)", "finish_step"]
+    assert not actor.is_asleep
 
 
 def test_lifecycle_options_must_be_declared() -> None:

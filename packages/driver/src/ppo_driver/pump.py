@@ -466,7 +466,10 @@ class TrainPump:
         plan: CallPlan = self.planner.call(role, phase, then=then)
         self._execute(plan.before, step)
         result = self.groups[role].call(
-            method, wake_first=plan.wake_first, sleep_after=plan.sleep_after, **kwargs
+            method,
+            wake_first=plan.wake_parts if plan.wake_first else False,
+            sleep_after=plan.sleep_after,
+            **kwargs,
         )
         self._trace_timeline(result.timeline, step, phase=_PHASE_OF.get(phase, str(phase)))
         return result
@@ -486,7 +489,7 @@ class TrainPump:
     def _start(self, t: Transition) -> Pending:
         if t.action is Action.SLEEP:
             return self.groups[t.role].submit("sleep", parts=t.parts)
-        return self.groups[t.role].submit("wake_up")
+        return self.groups[t.role].submit("wake_up", parts=t.parts)
 
     def _execute(self, transitions: Sequence[Transition], step: int) -> None:
         for t in transitions:

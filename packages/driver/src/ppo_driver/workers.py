@@ -240,7 +240,7 @@ class TrainGroup:
         *,
         rows: Rows | None = None,
         per_sample: Mapping[str, Tensor] | None = None,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
         **kwargs: Any,
     ) -> Pending:
@@ -248,15 +248,18 @@ class TrainGroup:
 
         ``rows``: the batch; rank ``r`` gets the rows of its data-parallel rank (its
         tensor/pipeline peers the same ones). ``per_sample``: further ``[B, ...]``
-        tensors, split the same way. ``wake_first`` / ``sleep_after``: the plan's
-        lifecycle choice, carried out by the worker around the work.
+        tensors, split the same way. ``wake_first`` (``True``: every part, or the parts
+        to wake) / ``sleep_after``: the plan's lifecycle choice, carried out by the
+        worker around the work.
         """
         if rows is not None or per_sample:
             size = rows.size if rows is not None else _rows_of(per_sample or {})
             shards = shard_rows(size, self.dp_size)
         lifecycle: dict[str, Any] = {}
-        if wake_first:
+        if wake_first is True:
             lifecycle["wake_first"] = True
+        elif wake_first is not False:
+            lifecycle["wake_first"] = frozenset(wake_first)
         if sleep_after is not None:
             lifecycle["sleep_after"] = frozenset(sleep_after)
         refs = []

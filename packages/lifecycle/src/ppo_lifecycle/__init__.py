@@ -8,16 +8,27 @@ the mechanism (:class:`OffloadManager`, which implements :class:`Offloadable`).
 from ._backends import HostCopyBackend, OffloadBackend, TorchMemorySaverBackend
 from ._ledger import ResidencyError, ResidencyLedger
 from ._manager import OffloadManager
-from ._parts import ALL_PARTS, KEEP_GRADIENTS, Part
-from ._plan import Action, Phase, PlanStep, Role, Transition, Work, plan_transitions
+from ._parts import ALL_PARTS, BACKWARD_PARTS, FORWARD_PARTS, KEEP_GRADIENTS, Part
+from ._plan import (
+    Action,
+    Phase,
+    PlanStep,
+    Role,
+    Transition,
+    Work,
+    phase_parts,
+    plan_transitions,
+)
 from ._planner import CallPlan, ResidencyPlanner
 from ._protocol import Offloadable
 from ._tensors import StorageAliasError, check_gradient_isolation
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "ALL_PARTS",
+    "BACKWARD_PARTS",
+    "FORWARD_PARTS",
     "KEEP_GRADIENTS",
     "Action",
     "CallPlan",
@@ -38,5 +49,6 @@ __all__ = [
     "Work",
     "__version__",
     "check_gradient_isolation",
+    "phase_parts",
     "plan_transitions",
 ]

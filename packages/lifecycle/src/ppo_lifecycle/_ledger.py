@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ._parts import ALL_PARTS, Part, normalize_parts
+from ._parts import ALL_PARTS, Part, normalize_parts, parts_label
 from ._plan import Action, PlanStep, Transition
 
 __all__ = ["ResidencyError", "ResidencyLedger"]
@@ -128,13 +128,14 @@ class ResidencyLedger:
         for entry in self._model_entries(model).values():
             entry.resident -= chosen
 
-    def wake_up(self, model: str) -> None:
-        """Record ``model`` becoming fully resident on all its devices.
+    def wake_up(self, model: str, parts: Iterable[Part] = ALL_PARTS) -> None:
+        """Record ``model`` bringing ``parts`` back (default: all) on all its devices.
 
         Raises:
             ResidencyError: some device would exceed its budget (nothing changes).
         """
-        self._grow(model, ALL_PARTS, f"{model}.wake_up()")
+        chosen = normalize_parts(parts)
+        self._grow(model, chosen, f"{model}.wake_up({parts_label(chosen)})")
 
     def apply(self, step: PlanStep) -> None:
         """Record a plan item (``Work`` items only check nothing)."""
@@ -142,7 +143,7 @@ class ResidencyLedger:
             if step.action is Action.SLEEP:
                 self.sleep(step.role, step.parts)
             else:
-                self.wake_up(step.role)
+                self.wake_up(step.role, step.parts)
 
     def check_plan(self, plan: Iterable[PlanStep]) -> None:
         """Replay ``plan`` on a copy of this ledger; raise at the first over-budget step."""

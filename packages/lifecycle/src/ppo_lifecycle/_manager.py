@@ -16,7 +16,7 @@ from ._backends import (
     OffloadBackend,
     TorchMemorySaverBackend,
 )
-from ._parts import ALL_PARTS, PART_ORDER, Part, normalize_parts
+from ._parts import ALL_PARTS, PART_ORDER, Part, normalize_parts, parts_label
 from ._tensors import (
     ExtraTensors,
     StorageAliasError,
@@ -219,20 +219,40 @@ class OffloadManager:
             sorted(p.value for p in self.resident_parts),
         )
 
-    def wake_up(self) -> None:
-        """Bring every sleeping part back; on a resident model only reload process groups."""
-        if not self._asleep:
+    def wake_up(self, *, parts: Iterable[Part] = ALL_PARTS) -> None:
+        """Bring the sleeping ``parts`` back (default: all); parts already resident are
+        skipped. Process groups are reloaded by every call, also on a resident model.
+
+        ``wake_up(parts=FORWARD_PARTS)`` is enough for a forward pass: the optimizer
+        state (and gradients) stay asleep.
+
+        Raises:
+            ValueError: ``parts`` is empty or not made of :class:`Part`.
+        """
+        requested = normalize_parts(parts)
+        todo = requested & self._asleep
+        if not todo:
             logger.info(
-                "%s: wake_up() while already resident; ensuring process groups only", self.name
+                "%s: wake_up(%s) while already resident; ensuring process groups only",
+                self.name,
+                parts_label(requested),
             )
             if self._on_reload is not None:
                 self._on_reload()
             return
         for part in reversed(PART_ORDER):
-            if part in self._asleep:
+            if part in todo:
                 self.backend.reload(part)
                 self._asleep.discard(part)
                 self._offloaded_bytes.pop(part, None)
         if self._on_reload is not None:
             self._on_reload()
-        logger.info("%s: resident", self.name)
+        if self._asleep:
+            logger.info(
+                "%s: woke %s; still asleep: %s",
+                self.name,
+                parts_label(todo),
+                sorted(p.value for p in self._asleep),
+            )
+        else:
+            logger.info("%s: resident", self.name)

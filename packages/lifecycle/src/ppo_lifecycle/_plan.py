@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ._parts import ALL_PARTS, KEEP_GRADIENTS, Part
+from ._parts import (
+    ALL_PARTS,
+    BACKWARD_PARTS,
+    FORWARD_PARTS,
+    KEEP_GRADIENTS,
+    Part,
+    normalize_parts,
+    parts_label,
+)
 
-__all__ = ["Action", "Phase", "PlanStep", "Role", "Transition", "Work", "plan_transitions"]
+__all__ = [
+    "Action",
+    "Phase",
+    "PlanStep",
+    "Role",
+    "Transition",
+    "Work",
+    "phase_parts",
+    "plan_transitions",
+]
 
 
 class Role(StrEnum):
@@ -44,6 +61,24 @@ _NEEDS: dict[Phase, Role] = {
     Phase.CRITIC_TRAIN: Role.CRITIC,
 }
 
+#: What each phase needs resident (the rest of its model may stay asleep).
+_PARTS: dict[Phase, frozenset[Part]] = {
+    Phase.VALUE_FORWARD: FORWARD_PARTS,
+    Phase.POLICY_FORWARD: FORWARD_PARTS,
+    Phase.POLICY_BACKWARD: BACKWARD_PARTS,
+    Phase.POLICY_UPDATE: ALL_PARTS,
+    Phase.REFIT: FORWARD_PARTS,
+    Phase.CRITIC_TRAIN: ALL_PARTS,
+    Phase.CHECKPOINT_SAVE: ALL_PARTS,
+}
+
+
+def phase_parts(phase: Phase) -> frozenset[Part]:
+    """The parts ``phase``'s work needs on the device: ``FORWARD_PARTS`` for a value or
+    log-prob forward and a refit, ``BACKWARD_PARTS`` for a policy backward, all parts
+    for an optimizer update, critic training and a checkpoint (none for ``WAIT``)."""
+    return _PARTS.get(Phase(phase), frozenset())
+
 
 class Action(StrEnum):
     SLEEP = "sleep"
@@ -52,15 +87,20 @@ class Action(StrEnum):
 
 @dataclass(frozen=True)
 class Transition:
-    """Call ``role``'s ``sleep(parts=parts)`` or ``wake_up()`` (then ``parts`` is all)."""
+    """Call ``role``'s ``sleep(parts=parts)`` (the parts that are off the device after
+    it) or ``wake_up(parts=parts)`` (the parts brought back; the rest stay asleep)."""
 
     role: Role
     action: Action
     parts: frozenset[Part] = ALL_PARTS
 
     def __str__(self) -> str:
+        """``actor.sleep(keep_grads)``, ``critic.sleep(all)``, ``critic.wake_up`` (all
+        parts), ``critic.wake_up(parameters+buffers)``, ``actor.wake_up(optimizer)``."""
         if self.action is Action.WAKE_UP:
-            return f"{self.role}.wake_up"
+            if self.parts == ALL_PARTS:
+                return f"{self.role}.wake_up"
+            return f"{self.role}.wake_up({parts_label(self.parts)})"
         keep = "keep_grads" if self.parts == KEEP_GRADIENTS else "all"
         return f"{self.role}.sleep({keep})"
 
@@ -89,14 +129,18 @@ def plan_transitions(
     resident: Role | None = Role.CRITIC,
     pending_gradients: bool = False,
     end_resident: Role | None = Role.CRITIC,
+    resident_parts: Iterable[Part] = ALL_PARTS,
 ) -> list[PlanStep]:
     """The schedule of one step: its phases with the wake/sleep transitions between.
 
-    Pure function. At most one model is resident at any time; a model switches
-    only when the next phase needs the other one (no redundant switch). Before a
-    ``WAIT`` the model needed after it is prepared, so it stays resident across any
-    number of empty selections. The actor sleeps with ``KEEP_GRADIENTS`` while it
-    holds gradients accumulated since its last ``POLICY_UPDATE``, else with all parts.
+    Pure function. At most one model is resident at any time (the actor's kept
+    gradients aside); a model switches only when the next phase needs the other one
+    (no redundant switch). A wake-up brings back only what the phase needs
+    (:func:`phase_parts`: a forward leaves the optimizer state asleep); a later phase
+    of the same model that needs more wakes just the missing parts. Before a ``WAIT``
+    the model needed after it is prepared, so it stays resident across any number of
+    empty selections. The actor sleeps with ``KEEP_GRADIENTS`` while it holds
+    gradients accumulated since its last ``POLICY_UPDATE``, else with all parts.
     ``CHECKPOINT_SAVE`` saves both models, the resident one first.
 
     Args:
@@ -105,29 +149,43 @@ def plan_transitions(
             ``[POLICY_UPDATE, REFIT, CRITIC_TRAIN, CHECKPOINT_SAVE]``.
         resident: the model resident when the step starts (the other is fully asleep).
         pending_gradients: the actor starts the step holding un-applied gradients.
-        end_resident: the model to leave resident at the end (the next step starts
-            with a value forward, so by default the critic); ``None``: leave as is.
+        end_resident: the model to leave resident at the end, with the parts a forward
+            needs (the next step starts with a value forward, so by default the
+            critic); ``None``: leave as is.
+        resident_parts: the parts of ``resident`` on the device (default: all).
 
     Returns:
         ``Transition`` and ``Work`` items in execution order.
 
     Raises:
         ValueError: a phase is not a :class:`Phase`, or ``CHECKPOINT_SAVE`` comes
-            while the actor holds un-applied gradients (inside an update).
+            while the actor holds un-applied gradients (inside an update), or
+            ``resident_parts`` is empty or not made of :class:`Part`.
     """
     state: Role | None = resident
+    awake = normalize_parts(resident_parts) if resident is not None else frozenset()
     pending = pending_gradients
+    if resident is Role.ACTOR and pending:
+        awake = awake | {Part.GRADIENTS}
+        if awake == {Part.GRADIENTS}:  # only its kept gradients: asleep, in effect
+            state, awake = None, frozenset()
     out: list[PlanStep] = []
 
-    def switch(to: Role) -> None:
-        nonlocal state
+    def switch(to: Role, needed: frozenset[Part]) -> None:
+        nonlocal state, awake
+        if to is Role.ACTOR and pending:
+            needed = needed | {Part.GRADIENTS}  # kept on the device while it sleeps
         if state is to:
+            missing = needed - awake
+            if missing:
+                out.append(Transition(to, Action.WAKE_UP, missing))
+                awake = awake | missing
             return
         if state is not None:
             parts = KEEP_GRADIENTS if state is Role.ACTOR and pending else ALL_PARTS
             out.append(Transition(state, Action.SLEEP, parts))
-        out.append(Transition(to, Action.WAKE_UP))
-        state = to
+        out.append(Transition(to, Action.WAKE_UP, needed))
+        state, awake = to, needed
 
     for index, raw in enumerate(phases):
         try:
@@ -138,16 +196,15 @@ def plan_transitions(
                 f"phases[{index}]: {raw!r} is not a Phase; use one of {valid}"
             ) from None
         if phase is Phase.WAIT:
-            upcoming = next(
-                (_NEEDS[p] for p in map(Phase, phases[index + 1 :]) if p in _NEEDS), None
-            )
-            if upcoming is None and any(
+            upcoming = next((Phase(p) for p in phases[index + 1 :] if Phase(p) in _NEEDS), None)
+            if upcoming is not None:
+                switch(_NEEDS[upcoming], _PARTS[upcoming])
+            elif state is not None and any(
                 Phase(p) is Phase.CHECKPOINT_SAVE for p in phases[index + 1 :]
             ):
-                upcoming = state
-            target = upcoming if upcoming is not None else end_resident
-            if target is not None:
-                switch(target)
+                pass  # the checkpoint starts with the model already resident
+            elif end_resident is not None:
+                switch(end_resident, FORWARD_PARTS)
             out.append(Work(phase, None))
             continue
         if phase is Phase.CHECKPOINT_SAVE:
@@ -159,16 +216,16 @@ def plan_transitions(
                 )
             first = state if state is not None else Role.CRITIC
             for role in (first, _other(first)):
-                switch(role)
+                switch(role, ALL_PARTS)
                 out.append(Work(phase, role))
             continue
         role = _NEEDS[phase]
-        switch(role)
+        switch(role, _PARTS[phase])
         out.append(Work(phase, role))
         if phase is Phase.POLICY_BACKWARD:
             pending = True
         elif phase is Phase.POLICY_UPDATE:
             pending = False
     if end_resident is not None:
-        switch(end_resident)
+        switch(end_resident, FORWARD_PARTS)
     return out

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._parts import Part
+from ._parts import ALL_PARTS, Part, normalize_parts
 from ._plan import (
     _NEEDS,
     Action,
@@ -28,6 +28,8 @@ class CallPlan:
         before: transitions to run as their own calls, in order, before the call
             (normally empty: an earlier call already carried them).
         wake_first: the call wakes its role up before the work.
+        wake_parts: the parts that wake-up brings back (what the phase needs, e.g.
+            ``FORWARD_PARTS`` for a value forward); ``ALL_PARTS`` without ``wake_first``.
         sleep_after: the call puts its role to sleep with these parts after the
             work; ``None``: it stays resident.
     """
@@ -35,6 +37,7 @@ class CallPlan:
     before: tuple[Transition, ...]
     wake_first: bool
     sleep_after: frozenset[Part] | None
+    wake_parts: frozenset[Part] = ALL_PARTS
 
 
 def _leading(plan: Sequence[PlanStep]) -> list[Transition]:
@@ -52,14 +55,19 @@ class _State:
     resident: Role | None
     pending_gradients: bool
     switches: int
+    parts: frozenset[Part] = ALL_PARTS  # of the resident model
 
     def take(self, item: Transition) -> None:
-        """Account for ``item`` as done."""
+        """Account for ``item`` as done (a wake-up of more parts of the resident model
+        is no switch)."""
         if item.action is Action.WAKE_UP:
-            self.resident = item.role
+            if self.resident is item.role:
+                self.parts = self.parts | item.parts
+                return
+            self.resident, self.parts = item.role, item.parts
             self.switches += 1
         elif self.resident is item.role:
-            self.resident = None
+            self.resident, self.parts = None, frozenset()
 
     def work(self, phase: Phase) -> None:
         """Account for ``phase``'s work as done."""
@@ -74,7 +82,22 @@ class _State:
             resident=self.resident,
             pending_gradients=self.pending_gradients,
             end_resident=end_resident,
+            resident_parts=self.parts if self.resident is not None else ALL_PARTS,
         )
+
+
+def _state(
+    resident: Role | str | None, pending: bool, switches: int, parts: Iterable[Part]
+) -> _State:
+    """A consistent state: the actor's kept gradients count as resident while pending
+    (an actor holding nothing else is not resident)."""
+    role = None if resident is None else Role(resident)
+    chosen = normalize_parts(parts) if role is not None else frozenset()
+    if role is Role.ACTOR and pending:
+        chosen = chosen | {Part.GRADIENTS}
+        if chosen == {Part.GRADIENTS}:
+            role, chosen = None, frozenset()
+    return _State(role, pending, switches, chosen)
 
 
 def _phases(phases: Sequence[Phase], what: str) -> list[Phase]:
@@ -105,22 +128,32 @@ class ResidencyPlanner:
     Every method either returns and updates the state, or raises and changes nothing.
 
     Args:
-        resident: the model fully resident now (the other is fully asleep);
-            ``None``: neither (the actor may still hold kept gradients).
+        resident: the model resident now (the other is fully asleep); ``None``:
+            neither (the actor may still hold kept gradients).
         pending_gradients: the actor holds gradients accumulated since its last
             ``POLICY_UPDATE`` (it then sleeps with ``KEEP_GRADIENTS``).
+        resident_parts: the parts of ``resident`` on the device (default: all).
     """
 
-    def __init__(self, *, resident: Role | None = None, pending_gradients: bool = False) -> None:
-        self._state = _State(
-            None if resident is None else Role(resident), bool(pending_gradients), 0
-        )
+    def __init__(
+        self,
+        *,
+        resident: Role | None = None,
+        pending_gradients: bool = False,
+        resident_parts: frozenset[Part] = ALL_PARTS,
+    ) -> None:
+        self._state = _state(resident, bool(pending_gradients), 0, resident_parts)
 
     # ----------------------------------------------------------------- state
     @property
     def resident(self) -> Role | None:
         """The model fully resident now, or ``None``."""
         return self._state.resident
+
+    @property
+    def resident_parts(self) -> frozenset[Part]:
+        """The parts of :attr:`resident` on the device (empty while none is)."""
+        return self._state.parts if self._state.resident is not None else frozenset()
 
     @property
     def pending_gradients(self) -> bool:
@@ -135,12 +168,13 @@ class ResidencyPlanner:
     def __repr__(self) -> str:
         return (
             f"ResidencyPlanner(resident={self.resident}, "
+            f"resident_parts={sorted(p.value for p in self.resident_parts)}, "
             f"pending_gradients={self.pending_gradients}, switches={self.switches})"
         )
 
     def _trial(self) -> _State:
         s = self._state
-        return _State(s.resident, s.pending_gradients, s.switches)
+        return _State(s.resident, s.pending_gradients, s.switches, s.parts)
 
     # ------------------------------------------------------------------ plans
     def before(self, *phases: Phase) -> list[Transition]:
@@ -196,7 +230,8 @@ class ResidencyPlanner:
             raise ValueError(f"call({who}, {work}): {work} {done_by}{hint}")
         trial = self._trial()
         lead = _leading(trial.plan([work]))
-        wake_first = bool(lead) and lead[-1] == Transition(who, Action.WAKE_UP)
+        wake_first = bool(lead) and lead[-1].role is who and lead[-1].action is Action.WAKE_UP
+        wake_parts = lead[-1].parts if wake_first else ALL_PARTS
         before = tuple(lead[:-1] if wake_first else lead)
         for item in lead:
             trial.take(item)
@@ -209,7 +244,9 @@ class ResidencyPlanner:
                 sleep_after = item.parts if sleep_after is None else sleep_after | item.parts
                 trial.take(item)
         self._state = trial
-        return CallPlan(before=before, wake_first=wake_first, sleep_after=sleep_after)
+        return CallPlan(
+            before=before, wake_first=wake_first, sleep_after=sleep_after, wake_parts=wake_parts
+        )
 
     def checkpoint(self, *, end_resident: Role | None = Role.CRITIC) -> list[PlanStep]:
         """The ``CHECKPOINT_SAVE`` plan, taken as done: transitions and one
@@ -231,24 +268,29 @@ class ResidencyPlanner:
     # ------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, object]:
         """JSON-friendly state: ``resident`` (``"actor"``, ``"critic"`` or ``None``),
-        ``pending_gradients``, ``switches``."""
+        ``resident_parts`` (its parts on the device, sorted names), ``pending_gradients``,
+        ``switches``."""
         s = self._state
         return {
             "resident": None if s.resident is None else s.resident.value,
+            "resident_parts": sorted(p.value for p in self.resident_parts),
             "pending_gradients": s.pending_gradients,
             "switches": s.switches,
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
-        """Restore what :meth:`state_dict` returned.
+        """Restore what :meth:`state_dict` returned (a state from ppo-lifecycle 0.2,
+        without ``resident_parts``, means the resident model is fully resident).
 
         Raises:
             ValueError: a key is missing or unknown, or a value has the wrong type.
         """
-        expected = {"resident", "pending_gradients", "switches"}
-        if set(state) != expected:
+        required = {"resident", "pending_gradients", "switches"}
+        allowed = required | {"resident_parts"}
+        if not required <= set(state) <= allowed:
             raise ValueError(
-                f"ResidencyPlanner state: keys {sorted(state)}; expected {sorted(expected)}"
+                f"ResidencyPlanner state: keys {sorted(state)}; expected {sorted(allowed)} "
+                "(resident_parts optional)"
             )
         resident, pending, switches = (
             state["resident"],
@@ -261,4 +303,16 @@ class ResidencyPlanner:
             raise ValueError(f"ResidencyPlanner state: pending_gradients={pending!r} is not a bool")
         if isinstance(switches, bool) or not isinstance(switches, int) or switches < 0:
             raise ValueError(f"ResidencyPlanner state: switches={switches!r} is not an int >= 0")
-        self._state = _State(None if resident is None else Role(str(resident)), pending, switches)
+        raw_parts = state.get("resident_parts", [p.value for p in ALL_PARTS])
+        parts: frozenset[Part] = frozenset()
+        if resident is not None:
+            try:
+                parts = normalize_parts(raw_parts)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"ResidencyPlanner state: resident_parts={raw_parts!r} is not a non-empty "
+                    "list of part names"
+                ) from None
+        self._state = _state(
+            None if resident is None else Role(str(resident)), pending, switches, parts
+        )

@@ -17,7 +17,8 @@ class Offloadable(Protocol):
     - ``sleep(parts=...)`` moves the selected parts off the device. Parts already
       asleep are skipped; a sleep that has nothing left to move is a logged
       no-op, never an error (retries are safe).
-    - ``wake_up()`` brings every sleeping part back. On a resident model it only
+    - ``wake_up(parts=...)`` brings the selected sleeping parts back (default: all;
+      a forward needs only ``FORWARD_PARTS``). On a resident model it only
       re-establishes what a failed retry may have torn down (process groups).
     - ``is_asleep`` is true while any part is off the device.
     """
@@ -26,8 +27,8 @@ class Offloadable(Protocol):
         """Move ``parts`` off the device (default: all of them)."""
         ...
 
-    def wake_up(self) -> None:
-        """Bring every sleeping part back onto the device."""
+    def wake_up(self, *, parts: Iterable[Part] = ...) -> None:
+        """Bring the sleeping ``parts`` back onto the device (default: all of them)."""
         ...
 
     @property

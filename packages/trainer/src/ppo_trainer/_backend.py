@@ -66,13 +66,14 @@ A ``FrozenModel`` must provide:
   that group calls it; ranks of other data-parallel shards need not (the actor's
   ``export_weights`` calls it on the group of global rank 0 only).
 * ``load_hf(state)``: the inverse (strict: every name present, same shapes).
-* ``sleep(parts=...)`` / ``wake_up()``: move this model's memory off / back to the
+* ``sleep(parts=...)`` / ``wake_up(parts=...)``: move this model's memory off / back to the
   device (both backends use ``ppo_lifecycle.OffloadManager``). ``parts`` is a set of
   ``Part`` (``PARAMETERS``, ``OPTIMIZER``, ``GRADIENTS``, ``BUFFERS``); parts not
   named stay resident (the actor keeps ``GRADIENTS`` between chunks). ``sleep`` may
   be called again with further, disjoint parts before ``wake_up``; ``wake_up`` brings
-  back everything. The worker guarantees it never puts a part to sleep twice
-  (idempotence lives in the worker); after ``wake_up`` every tensor holds exactly its
+  back the sleeping ones of ``parts`` (default: everything; a forward needs only
+  ``FORWARD_PARTS``) and may be called again for the rest. The worker guarantees it never puts a part to sleep twice
+  nor wakes one twice (idempotence lives in the worker); after ``wake_up`` every tensor holds exactly its
   old value and the accumulated gradients are untouched by a keep-gradients sleep.
   Honour ``config.offload_backend`` (``auto`` / ``host_copy`` / ``memory_saver``) as
   :func:`ppo_trainer.resolve_offload_backend` resolves it on the backend's device
@@ -198,7 +199,7 @@ class FrozenModel(Protocol):
 
     def sleep(self, *, parts: frozenset[Part]) -> None: ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, *, parts: frozenset[Part] = ...) -> None: ...
 
 
 @runtime_checkable

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
-from ppo_lifecycle import ALL_PARTS, Action, Part, Role, Transition
+from ppo_lifecycle import (
+    ALL_PARTS,
+    BACKWARD_PARTS,
+    FORWARD_PARTS,
+    Action,
+    Part,
+    Role,
+    Transition,
+)
 from torch import Tensor
 
 from ppo_trainer._backend import Backend, Batch, FrozenModel, Mesh, TrainModel, get_backend
@@ -174,6 +182,8 @@ class _Lifecycle:
 
     _backend: Backend
     _asleep_parts: frozenset[Part]
+    _frozen_asleep: bool
+    _groups_live: bool
     _name: str
     _role: Role
     _timeline: Timeline
@@ -200,32 +210,43 @@ class _Lifecycle:
     def sleep(self, *, parts: Iterable[Part] | None = None) -> None:
         """Put ``parts`` (default: all) of the trained model, and all of the frozen
         reference model, to sleep (off the device). Parts already asleep are skipped
-        (logged no-op)."""
+        (logged no-op). The process groups are released by the sleep that follows a
+        wake-up."""
         todo = _parts_from(parts) - self._asleep_parts
         if not todo:
             log.info("%s.sleep() while already asleep: nothing to do", self._name)
             return
-        first = not self._asleep_parts
         for model, trained in self._models():
             if trained:
                 model.sleep(parts=todo)
-            elif first:
+            elif not self._frozen_asleep:
                 model.sleep(parts=ALL_PARTS)
-        if first:
+        self._frozen_asleep = True
+        if self._groups_live:
             self._backend.release_process_groups()
+            self._groups_live = False
         self._asleep_parts = self._asleep_parts | todo
 
-    def wake_up(self) -> None:
-        """Bring everything back. While already resident it only re-establishes the
+    def wake_up(self, *, parts: Iterable[Part] | None = None) -> None:
+        """Bring ``parts`` (default: all) of the trained model back, and all of the
+        reference model; a forward needs only ``FORWARD_PARTS`` (the optimizer state
+        stays asleep). With nothing of ``parts`` asleep it only re-establishes the
         process groups (a retry after a failure between wake_up and sleep)."""
-        if not self._asleep_parts:
+        todo = _parts_from(parts) & self._asleep_parts
+        if not todo:
             log.info("%s.wake_up() while resident: ensuring process groups only", self._name)
             self._backend.restore_process_groups()
+            self._groups_live = True
             return
-        for model, _ in self._models():
-            model.wake_up()
+        for model, trained in self._models():
+            if trained:
+                model.wake_up(parts=todo)
+            elif self._frozen_asleep:
+                model.wake_up(parts=ALL_PARTS)
+        self._frozen_asleep = False
         self._backend.restore_process_groups()
-        self._asleep_parts = frozenset()
+        self._groups_live = True
+        self._asleep_parts = self._asleep_parts - todo
 
     def last_timeline(self) -> Timeline:
         """The timeline of the latest call to a method that takes the lifecycle options
@@ -242,18 +263,23 @@ class _Lifecycle:
         label: str,
         work: Callable[[], _R],
         *,
-        wake_first: bool,
+        wake_first: bool | Iterable[Part],
         sleep_after: Iterable[Part] | None,
     ) -> _R:
-        """``wake_up()`` if asked, the work, then ``sleep(parts=sleep_after)`` if asked
-        and the work succeeded; each timed into a fresh timeline."""
+        """``wake_up(parts=...)`` if asked, the work, then ``sleep(parts=sleep_after)`` if
+        asked and the work succeeded; each timed into a fresh timeline."""
         timeline: Timeline = []
         self._timeline = timeline
         parts = None if sleep_after is None else _parts_from(sleep_after)  # before any work
-        if wake_first:
+        wake: frozenset[Part] | None = None
+        if wake_first is True:
+            wake = ALL_PARTS
+        elif wake_first is not False:
+            wake = _parts_from(wake_first)
+        if wake is not None:
             t0 = time.time()
-            self.wake_up()
-            timeline.append((str(Transition(self._role, Action.WAKE_UP)), t0, time.time()))
+            self.wake_up(parts=wake)
+            timeline.append((str(Transition(self._role, Action.WAKE_UP, wake)), t0, time.time()))
         t0 = time.time()
         out = work()
         timeline.append((label, t0, time.time()))
@@ -263,12 +289,14 @@ class _Lifecycle:
             timeline.append((str(Transition(self._role, Action.SLEEP, parts)), t0, time.time()))
         return out
 
-    def _require_awake(self, what: str) -> None:
-        if self._asleep_parts:
+    def _require_awake(self, what: str, parts: frozenset[Part] = ALL_PARTS) -> None:
+        """Refuse ``what`` while any of the ``parts`` it needs is asleep."""
+        missing = parts & self._asleep_parts
+        if missing:
+            names = sorted(p.value for p in missing)
             raise RuntimeError(
-                f"{self._name}.{what}() called while asleep "
-                f"({sorted(p.value for p in self._asleep_parts)} asleep): the driver must "
-                "call wake_up() first, or pass wake_first=True"
+                f"{self._name}.{what}() called while asleep ({names} asleep): the driver "
+                f"must call wake_up(parts=...) with them first, or pass wake_first=True"
             )
 
 
@@ -276,7 +304,8 @@ def lifecycle_options(
     method: Callable[Concatenate[_W, _P], _R],
 ) -> Callable[Concatenate[_W, _P], _R]:
     """Give a worker method the keyword-only lifecycle options it declares:
-    ``wake_first: bool = False`` (``wake_up()`` before the work; idempotent) and
+    ``wake_first: bool | Iterable[Part] = False`` (``wake_up()`` before the work, of
+    every part with ``True`` or of the given parts; idempotent) and
     ``sleep_after: Iterable[Part] | None = None`` (``sleep(parts=sleep_after)`` after the
     work succeeded; not when it raised). The wrapper consumes both (the method body
     never sees them) and records the call's timeline (``last_timeline()``)."""
@@ -287,7 +316,7 @@ def lifecycle_options(
 
     @functools.wraps(method)
     def wrapper(self: _W, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        wake_first = bool(kwargs.pop("wake_first", False))
+        wake_first = cast("bool | Iterable[Part]", kwargs.pop("wake_first", False))
         sleep_after = cast("Iterable[Part] | None", kwargs.pop("sleep_after", None))
         return self._with_lifecycle(
             method.__name__,
@@ -342,6 +371,8 @@ class ActorWorker(_Lifecycle):
         self._role = Role.ACTOR
         self._timeline = []
         self._asleep_parts: frozenset[Part] = frozenset()
+        self._frozen_asleep = False  # the reference model (actor with a KL loss)
+        self._groups_live = True
         self._counters = {"policy_forward": 0, "policy_forward_backward": 0, "reference_forward": 0}
         self._backend = get_backend(config.backend)(
             config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
@@ -393,7 +424,7 @@ class ActorWorker(_Lifecycle):
         self,
         batch: Mapping[str, Tensor],
         *,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> Tensor:
         """Log-probs of the current policy: ``[B, T]`` float32 on the CPU, column 0 = 0.
@@ -401,7 +432,7 @@ class ActorWorker(_Lifecycle):
         Only needed for several policy epochs over one batch (the old log-probs of every
         epoch) or diagnostics: ``train_chunk`` without ``old_logprobs`` uses its own
         forward's."""
-        self._require_awake("compute_logprobs")
+        self._require_awake("compute_logprobs", FORWARD_PARTS)
         _check_batch(batch, ("input_ids", "attention_mask"))
         mbs = self._split(
             {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -412,7 +443,7 @@ class ActorWorker(_Lifecycle):
 
     def compute_ref_logprobs(self, batch: Mapping[str, Tensor]) -> Tensor:
         """Log-probs of the frozen reference model (only with ``kl_loss_coef > 0``)."""
-        self._require_awake("compute_ref_logprobs")
+        self._require_awake("compute_ref_logprobs", FORWARD_PARTS)
         reference = self._require_reference()
         _check_batch(batch, ("input_ids", "attention_mask"))
         mbs = self._split(
@@ -442,7 +473,7 @@ class ActorWorker(_Lifecycle):
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
         engine_logprobs: Tensor | None = None,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, float]:
         """Accumulate the gradient of this chunk's share of the step loss (no update).
@@ -471,7 +502,7 @@ class ActorWorker(_Lifecycle):
         Means over the chunk's valid tokens (weight by ``actor/valid_tokens`` to combine):
         ``actor/clipfrac``, ``actor/approx_kl``.
         """
-        self._require_awake("train_chunk")
+        self._require_awake("train_chunk", BACKWARD_PARTS)
         cfg = self.config
         _check_batch(
             batch,
@@ -610,7 +641,7 @@ class ActorWorker(_Lifecycle):
         self,
         *,
         loss_denominator: float | None = None,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, float]:
         """All-reduce (SUM) the accumulated gradients over the data-parallel ranks, clip
@@ -697,7 +728,7 @@ class ActorWorker(_Lifecycle):
     def export_weights(
         self,
         *,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, Tensor] | None:
         """The policy weights under Hugging Face ``state_dict()`` names, CPU tensors (refit).
@@ -707,7 +738,7 @@ class ActorWorker(_Lifecycle):
         peers waiting). Returns the state dict on global rank 0 and ``None`` on every
         other rank, so only one copy is shipped. Only the model-parallel group of rank 0
         gathers and copies; the other data-parallel shards return at once."""
-        self._require_awake("export_weights")
+        self._require_awake("export_weights", FORWARD_PARTS)
         mesh = self._backend.mesh
         if mesh.dp_rank != 0:
             return None
@@ -774,6 +805,8 @@ class CriticWorker(_Lifecycle):
         self._role = Role.CRITIC
         self._timeline = []
         self._asleep_parts: frozenset[Part] = frozenset()
+        self._frozen_asleep = False  # the reference model (actor with a KL loss)
+        self._groups_live = True
         self._counters = {"value_forward": 0, "value_forward_backward": 0}
         self._backend = get_backend(config.backend)(
             config=config, rank=rank, world_size=world_size, dist_init_method=dist_init_method
@@ -795,7 +828,7 @@ class CriticWorker(_Lifecycle):
         self,
         batch: Mapping[str, Tensor],
         *,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> Tensor:
         """Values of the current (unchanged) critic: ``[B, T]`` float32 CPU, column 0 = 0.
@@ -803,7 +836,7 @@ class CriticWorker(_Lifecycle):
         ``values[:, t]`` is read from the hidden state at ``t - 1`` (the state before
         token ``t``). These become the old values of every critic epoch.
         """
-        self._require_awake("compute_values")
+        self._require_awake("compute_values", FORWARD_PARTS)
         _check_batch(batch, ("input_ids", "attention_mask"))
         mbs = _micro_batches(
             {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
@@ -823,7 +856,7 @@ class CriticWorker(_Lifecycle):
         old_values: Tensor,
         epochs: int,
         mini_batch_size: int,
-        wake_first: bool = False,
+        wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, float]:
         """Critic PPO epochs over this rank's shard of the assembled full batch.
@@ -942,7 +975,7 @@ class CriticWorker(_Lifecycle):
         """The critic weights under Hugging Face names (``model.*``, ``score.*``), CPU tensors,
         on every rank that calls it. With tensor / pipeline parallelism a collective: every
         rank of a model-parallel group must call it."""
-        self._require_awake("export_weights")
+        self._require_awake("export_weights", FORWARD_PARTS)
         return self._critic.export_hf()
 
     def load_weights(self, state: Mapping[str, Tensor]) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ppo_lifecycle import OffloadManager, Part
+from ppo_lifecycle import ALL_PARTS, OffloadManager, Part
 from torch import nn
 
 from ppo_trainer._backend import (
@@ -501,8 +501,8 @@ class MegatronFrozenModel:
     def sleep(self, *, parts: frozenset[Part]) -> None:
         self.lifecycle.sleep(parts=parts)
 
-    def wake_up(self) -> None:
-        self.lifecycle.wake_up()
+    def wake_up(self, *, parts: frozenset[Part] = ALL_PARTS) -> None:
+        self.lifecycle.wake_up(parts=parts)
 
 
 class MegatronTrainModel(MegatronFrozenModel):
