@@ -7,6 +7,7 @@ import torch
 from lifecycle_models import assert_bit_exact, make, snapshot, train_step
 from ppo_lifecycle import (
     ALL_PARTS,
+    FORWARD_PARTS,
     KEEP_GRADIENTS,
     OffloadManager,
     Part,
@@ -62,6 +63,26 @@ def test_shared_storage_is_allowed_without_keeping_gradients() -> None:
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
     # ... while offloading everything together is sound.
     manager.sleep(parts=ALL_PARTS)
+    assert manager.device_bytes() == 0
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_partial_wake_up_brings_back_the_part_that_owns_a_shared_storage() -> None:
+    """The parameters live in the gradient buffer, which sleeps as part of the
+    gradients (the first of the two in PART_ORDER): waking the forward parts must bring
+    that storage back too, and a later full sleep and wake-up stay bit exact."""
+    model, opt = _shared_buffer_model()
+    train_step(model, opt, seed=1)
+    manager = OffloadManager(model, opt, keep_gradients=False)
+    before = snapshot(model, opt)
+    manager.sleep()
+    manager.wake_up(parts=FORWARD_PARTS)
+    assert manager.asleep_parts == {Part.OPTIMIZER}  # the gradients came along
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[f"model.{name}"]), name
+    manager.sleep()  # everything again, the shared storage once
     assert manager.device_bytes() == 0
     manager.wake_up()
     assert_bit_exact(before, snapshot(model, opt))

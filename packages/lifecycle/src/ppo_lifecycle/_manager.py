@@ -92,6 +92,7 @@ class OffloadManager:
         self._on_reload = on_reload_process_groups
         self._asleep: set[Part] = set()
         self._offloaded_bytes: dict[Part, int] = {}
+        self._owner: dict[int, Part] = {}  # storage key -> the part it went to sleep with
         if keep_gradients:
             check_gradient_isolation(model, optimizer, device=self.device, extra=extra)
         self.backend: OffloadBackend
@@ -210,6 +211,7 @@ class OffloadManager:
             if part not in todo:
                 continue
             self._offloaded_bytes[part] = self.backend.offload(part, groups[part])
+            self._owner.update((g.key, part) for g in groups[part])
             self._asleep.add(part)
         logger.info(
             "%s: asleep: %s (%d bytes), resident: %s",
@@ -231,6 +233,23 @@ class OffloadManager:
         """
         requested = normalize_parts(parts)
         todo = requested & self._asleep
+        # A storage shared by two parts sleeps with the first in PART_ORDER (the
+        # optimizer before the parameters): it comes back with whichever part needs it.
+        tensors = self._inventory()
+        shared = {
+            self._owner[key]
+            for part in requested
+            for t in tensors[part]
+            if (key := t.untyped_storage()._cdata) in self._owner
+        } - todo
+        if shared & self._asleep:
+            logger.info(
+                "%s: wake_up(%s) also wakes %s (storage shared with the requested parts)",
+                self.name,
+                parts_label(requested),
+                sorted(p.value for p in shared),
+            )
+            todo = todo | (shared & self._asleep)
         if not todo:
             logger.info(
                 "%s: wake_up(%s) while already resident; ensuring process groups only",
@@ -245,6 +264,7 @@ class OffloadManager:
                 self.backend.reload(part)
                 self._asleep.discard(part)
                 self._offloaded_bytes.pop(part, None)
+                self._owner = {k: p for k, p in self._owner.items() if p is not part}
         if self._on_reload is not None:
             self._on_reload()
         if self._asleep:

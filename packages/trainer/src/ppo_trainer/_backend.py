@@ -72,9 +72,10 @@ A ``FrozenModel`` must provide:
   named stay resident (the actor keeps ``GRADIENTS`` between chunks). ``sleep`` may
   be called again with further, disjoint parts before ``wake_up``; ``wake_up`` brings
   back the sleeping ones of ``parts`` (default: everything; a forward needs only
-  ``FORWARD_PARTS``) and may be called again for the rest. The worker guarantees it never puts a part to sleep twice
-  nor wakes one twice (idempotence lives in the worker); after ``wake_up`` every tensor holds exactly its
-  old value and the accumulated gradients are untouched by a keep-gradients sleep.
+  ``FORWARD_PARTS``) and may be called again for the rest. The worker passes every
+  part it wants asleep (or awake); parts already there are skipped by
+  ``OffloadManager`` (a storage shared by two parts wakes with either). After
+  ``wake_up`` every tensor holds exactly its old value and the accumulated gradients are untouched by a keep-gradients sleep.
   Honour ``config.offload_backend`` (``auto`` / ``host_copy`` / ``memory_saver``) as
   :func:`ppo_trainer.resolve_offload_backend` resolves it on the backend's device
   (``auto``: ``memory_saver`` on CUDA with torch_memory_saver installed where the backend

@@ -212,13 +212,14 @@ class _Lifecycle:
         reference model, to sleep (off the device). Parts already asleep are skipped
         (logged no-op). The process groups are released by the sleep that follows a
         wake-up."""
-        todo = _parts_from(parts) - self._asleep_parts
+        requested = _parts_from(parts)
+        todo = requested - self._asleep_parts
         if not todo:
             log.info("%s.sleep() while already asleep: nothing to do", self._name)
             return
         for model, trained in self._models():
-            if trained:
-                model.sleep(parts=todo)
+            if trained:  # all of them: a part that woke with one sharing its storage too
+                model.sleep(parts=requested)
             elif not self._frozen_asleep:
                 model.sleep(parts=ALL_PARTS)
         self._frozen_asleep = True
@@ -232,7 +233,8 @@ class _Lifecycle:
         reference model; a forward needs only ``FORWARD_PARTS`` (the optimizer state
         stays asleep). With nothing of ``parts`` asleep it only re-establishes the
         process groups (a retry after a failure between wake_up and sleep)."""
-        todo = _parts_from(parts) & self._asleep_parts
+        requested = _parts_from(parts)
+        todo = requested & self._asleep_parts
         if not todo:
             log.info("%s.wake_up() while resident: ensuring process groups only", self._name)
             self._backend.restore_process_groups()
