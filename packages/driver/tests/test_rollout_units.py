@@ -164,6 +164,40 @@ def test_embedded_engine_in_process_tags_version_and_pauses(dataset: PromptDatas
         engine.generate([req, req])
 
 
+def test_embedded_engine_paces_decode_steps(
+    dataset: PromptDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``step_delay_s`` is the period of a decode step: the engine sleeps only what the
+    step's compute left of it (an emulated device whose speed does not depend on the
+    host's load), and not at all when the compute took longer."""
+    import ppo_driver.rollout._embedded as embedded
+
+    clock = [100.0]
+    slept: list[float] = []
+    compute = iter([0.01, 0.05, 0.03] + [0.0] * 64)  # seconds each decode step computes
+
+    def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 9))
+        clock[0] += seconds
+
+    real_between = EmbeddedEngine._between_steps
+
+    def between(self: EmbeddedEngine) -> None:
+        clock[0] += next(compute)
+        real_between(self)
+
+    monkeypatch.setattr(embedded.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(embedded.time, "sleep", sleep)
+    monkeypatch.setattr(EmbeddedEngine, "_between_steps", between)
+    engine = EmbeddedEngine(
+        model=tiny_qwen2_config(vocab_size=TOK.vocab_size), run_seed=1, step_delay_s=0.04
+    )
+    params = SamplingParams(n=2, max_new_tokens=4, temperature=1.0, stop_token_ids=())
+    req = GroupRequest(prompt_index=3, prompt_ids=dataset.prompt_ids(3), params=params)
+    engine.generate([req])
+    assert slept[:3] == [0.03, 0.0, 0.01]  # 0.04 - compute, never negative
+
+
 # -- tokenizer ------------------------------------------------------------------------------
 
 

@@ -212,8 +212,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     num_engines: int = 1
-    # Seconds the embedded engine waits between decode steps: emulates a slower
-    # generation device on CPU (tests, what-if benchmarks); 0 in real runs.
+    # Seconds each decode step of the embedded engine takes at least (it sleeps what its
+    # compute left): emulates a slower generation device on CPU (tests, what-if
+    # benchmarks) whose speed does not depend on the trainers' load; 0 in real runs.
     decode_delay_s: float = 0.0
     # A reward call that takes longer fails its group (0: no limit).
     reward_timeout_s: float = 60.0

@@ -72,7 +72,9 @@ class EmbeddedEngine:
             e.g. CPU); ``False``: one group per round.
         weight_version: the version of the initial weights.
         gather_s: how long a round waits for more calls to join before it starts.
-        step_delay_s: sleep this long between decode steps (emulates a slower device).
+        step_delay_s: each decode step takes at least this long: the engine sleeps what
+            its compute left of it (emulates a device of that speed, whatever else runs
+            on the host's cores while the compute fits in the period).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class EmbeddedEngine:
         self._host_copy: dict[str, torch.Tensor] | None = None
         self._groups: dict[str, RefitGroup] = {}
         self._slow_step_s = float(step_delay_s)
+        self._step_t0 = 0.0  # when the current decode step started (pacing)
         self._needs_weights = restarted_by_ray()
         if self._needs_weights:
             _log.warning(
@@ -228,6 +231,7 @@ class EmbeddedEngine:
                         self.groups_served += 1
                         self._cv.notify_all()
 
+            self._step_t0 = time.perf_counter()
             generate_rows(
                 self.model,
                 prompts,
@@ -239,14 +243,16 @@ class EmbeddedEngine:
             )
 
     def _between_steps(self) -> None:
-        time.sleep(self._slow_step_s)
+        """Pace decode steps at ``step_delay_s`` each: sleep the rest of this one."""
+        time.sleep(max(0.0, self._step_t0 + self._slow_step_s - time.perf_counter()))
+        self._step_t0 = time.perf_counter()
 
     def set_gather_window(self, seconds: float) -> None:
         """How long a new round waits for more calls to join it (default 5 ms)."""
         self.gather_s = float(seconds)
 
     def set_step_delay(self, seconds: float) -> None:
-        """Testing aid: sleep this long between decode steps (0 disables)."""
+        """Testing aid: each decode step takes at least this long (0 disables)."""
         self._slow_step_s = float(seconds)
 
     # -- lifecycle --------------------------------------------------------------------------
