@@ -8,6 +8,7 @@ in ``test_trainer_contract.py::test_streaming_chunk_is_its_own_old_policy``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 
@@ -149,20 +150,14 @@ def test_partial_wake_up_brings_back_what_the_work_needs() -> None:
     critic.wake_up(parts=FORWARD_PARTS)
     assert critic.asleep_parts == {Part.OPTIMIZER, Part.GRADIENTS}
     torch.testing.assert_close(critic.compute_values(data.batch), resident, rtol=0, atol=0)
+    train = functools.partial(
+        critic.train, data.batch, returns=data.returns, old_values=values, epochs=1
+    )
     with pytest.raises(
         RuntimeError, match=r"train\(\) called while asleep \(\['gradients', 'optimizer'\]"
     ):
-        critic.train(
-            data.batch, returns=data.returns, old_values=values, epochs=1, mini_batch_size=4
-        )
-    critic.train(
-        data.batch,
-        returns=data.returns,
-        old_values=values,
-        epochs=1,
-        mini_batch_size=4,
-        wake_first=True,
-    )
+        train(mini_batch_size=4)
+    train(mini_batch_size=4, wake_first=True)
     assert labels(critic.last_timeline()) == ["critic.wake_up", "train"]
     assert not critic.is_asleep
     # groups released by each sleep after a wake-up, restored by every wake-up
