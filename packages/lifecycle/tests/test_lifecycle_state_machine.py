@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from lifecycle_models import assert_bit_exact, batch, loss_fn, make, snapshot
-from ppo_lifecycle import ALL_PARTS, HostCopyBackend, OffloadManager, Part
+from ppo_lifecycle import ALL_PARTS, FORWARD_PARTS, HostCopyBackend, OffloadManager, Part
 
 _parts = st.frozensets(st.sampled_from(list(Part)), min_size=1)
 
@@ -129,3 +129,24 @@ def _tensors(machine: Lifecycle, part: Part) -> list[torch.Tensor]:
 
 Lifecycle.TestCase.settings = settings(max_examples=20, stateful_step_count=15, deadline=None)
 TestLifecycle = Lifecycle.TestCase
+
+
+def test_process_groups_released_by_each_sleep_after_a_wake_up() -> None:
+    """Partial wake-ups reload the groups; the next sleep releases them again, even
+    though some parts never woke (the optimizer state while a forward runs)."""
+    model, opt = make()
+    loss_fn(model, batch(0, "cpu")).backward()
+    opt.step()
+    events: list[str] = []
+    manager = OffloadManager(
+        model,
+        opt,
+        on_release_process_groups=lambda: events.append("release"),
+        on_reload_process_groups=lambda: events.append("reload"),
+    )
+    manager.sleep()
+    manager.wake_up(parts=FORWARD_PARTS)
+    manager.sleep()
+    manager.sleep()  # nothing left to move: no second release
+    manager.wake_up()
+    assert events == ["release", "reload", "release", "reload"]

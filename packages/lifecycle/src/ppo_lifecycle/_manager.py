@@ -51,7 +51,7 @@ class OffloadManager:
             checked here, at set-up, and again at each keep-gradients sleep.
         extra: more tensors per part that the module does not expose (flat grad
             buffers): ``{Part.GRADIENTS: lambda: [buffer]}``.
-        on_release_process_groups: called when the model goes from resident to asleep
+        on_release_process_groups: called by the first sleep after set-up or a wake-up
             (before anything moves).
         on_reload_process_groups: called by every ``wake_up()``, including one on a
             resident model (a failed retry may have torn the groups down).
@@ -92,7 +92,10 @@ class OffloadManager:
         self._on_reload = on_reload_process_groups
         self._asleep: set[Part] = set()
         self._offloaded_bytes: dict[Part, int] = {}
-        self._owner: dict[int, Part] = {}  # storage key -> the part it went to sleep with
+        # part -> the sleeping parts that hold some of its storage (shared storage sleeps
+        # with the first part in PART_ORDER); found at sleep, used at wake-up
+        self._held_by: dict[Part, set[Part]] = {}
+        self._groups_live = True  # released by the first sleep after a wake-up
         if keep_gradients:
             check_gradient_isolation(model, optimizer, device=self.device, extra=extra)
         self.backend: OffloadBackend
@@ -205,14 +208,20 @@ class OffloadManager:
         if isinstance(self.backend, HostCopyBackend):
             for part in todo:  # every part checked before the first one moves
                 self.backend.check_releasable(part, groups[part])
-        if not self._asleep and self._on_release is not None:
+        if self._groups_live and self._on_release is not None:
             self._on_release()
+        self._groups_live = False
+        owner = {g.key: part for part in todo for g in groups[part]}
         for part in PART_ORDER:
             if part not in todo:
                 continue
             self._offloaded_bytes[part] = self.backend.offload(part, groups[part])
-            self._owner.update((g.key, part) for g in groups[part])
             self._asleep.add(part)
+        for part, part_tensors in tensors.items():
+            for t in part_tensors:
+                holder = owner.get(t.untyped_storage()._cdata)
+                if holder is not None and holder is not part:
+                    self._held_by.setdefault(part, set()).add(holder)
         logger.info(
             "%s: asleep: %s (%d bytes), resident: %s",
             self.name,
@@ -235,13 +244,7 @@ class OffloadManager:
         todo = requested & self._asleep
         # A storage shared by two parts sleeps with the first in PART_ORDER (the
         # optimizer before the parameters): it comes back with whichever part needs it.
-        tensors = self._inventory()
-        shared = {
-            self._owner[key]
-            for part in requested
-            for t in tensors[part]
-            if (key := t.untyped_storage()._cdata) in self._owner
-        } - todo
+        shared = {q for p in requested for q in self._held_by.get(p, ())} - todo
         if shared & self._asleep:
             logger.info(
                 "%s: wake_up(%s) also wakes %s (storage shared with the requested parts)",
@@ -258,15 +261,18 @@ class OffloadManager:
             )
             if self._on_reload is not None:
                 self._on_reload()
+            self._groups_live = True
             return
         for part in reversed(PART_ORDER):
             if part in todo:
                 self.backend.reload(part)
                 self._asleep.discard(part)
                 self._offloaded_bytes.pop(part, None)
-                self._owner = {k: p for k, p in self._owner.items() if p is not part}
+                for held in self._held_by.values():
+                    held.discard(part)
         if self._on_reload is not None:
             self._on_reload()
+        self._groups_live = True
         if self._asleep:
             logger.info(
                 "%s: woke %s; still asleep: %s",
