@@ -23,6 +23,11 @@ Run: ``uv run --frozen python bench/bench_lifecycle.py [--param-gib 1.0] [--repe
    rows also show ``vs warm``: their GB/s over ``copy_`` between preallocated,
    already touched buffers and the resident tensors, the machine's bandwidth with
    no allocation at all (a ceiling no release can reach).
+   CPU rows: the default host copy (``spill_to="auto"``: a host-memory child process,
+   the row's label says ``[memfd]`` where it fell back to memfd files), the same with
+   ``spill_to="memfd"`` (the fallback, for comparison in the same run), a cached
+   spill and the in-process copy; ``--spill process|memfd|auto`` keeps only the rows
+   of that spill (and the references).
    ``released`` = memory another process can use once the model sleeps, over the
    parameter + optimizer bytes put to sleep (target >= 0.8 on CPU, >= 0.9 on CUDA):
    on CPU the drop of this process's RSS (``/proc/self/statm``), on CUDA the rise of
@@ -39,6 +44,7 @@ the same again for host copies), the size shrinks so that parameters plus Adam t
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import os
@@ -59,6 +65,7 @@ from ppo_lifecycle import (
     OffloadManager,
     TorchMemorySaverBackend,
 )
+from ppo_lifecycle._backends import SpillTo
 from torch import nn
 
 GIB = 2**30
@@ -186,8 +193,11 @@ def _lifecycle_row(
     return _Row(label, min(outs), min(ins), min(released), min(retaken))
 
 
-def _configurations(device: torch.device) -> list[tuple[str, Callable[[], OffloadBackend]]]:
-    """(label, a fresh backend) per row: each row builds, uses and drops its own."""
+def _configurations(
+    device: torch.device, spills: SpillTo | None = None
+) -> list[tuple[str, Callable[[], OffloadBackend]]]:
+    """(label, a fresh backend) per row: each row builds, uses and drops its own;
+    ``spills``: only the CPU rows of that ``spill_to``."""
     if device.type == "cuda":
         rows: list[tuple[str, Callable[[], OffloadBackend]]] = [
             ("lifecycle host copy (default: pinned)", lambda: HostCopyBackend(device))
@@ -201,20 +211,32 @@ def _configurations(device: torch.device) -> list[tuple[str, Callable[[], Offloa
                 )
             )
         return rows
-    return [
-        ("lifecycle default (spill to memfd)", lambda: HostCopyBackend(device)),
+    cpu_rows: list[tuple[str, Callable[[], OffloadBackend]]] = []
+    chosen: tuple[SpillTo, ...] = ("auto", "memfd") if spills is None else (spills,)
+    for spill in chosen:
+        label = "default (auto)" if spill == "auto" else f"spill_to={spill}"
+        cpu_rows.append(
+            (f"lifecycle {label}", functools.partial(HostCopyBackend, device, spill_to=spill))
+        )
+    cpu_rows.append(
         (
-            "lifecycle spill, cache_host_buffers=True",
-            lambda: HostCopyBackend(device, cache_host_buffers=True),
-        ),
-        (
-            "lifecycle in-process copy (spill=False)",
-            lambda: HostCopyBackend(device, spill=False),
-        ),
-    ]
+            f"lifecycle {chosen[0]}, cache_host_buffers=True",
+            functools.partial(HostCopyBackend, device, spill_to=chosen[0], cache_host_buffers=True),
+        )
+    )
+    if spills is None:
+        cpu_rows.append(
+            (
+                "lifecycle in-process copy (spill=False)",
+                lambda: HostCopyBackend(device, spill=False),
+            )
+        )
+    return cpu_rows
 
 
-def throughput(param_gib: float, repeats: int, device: torch.device) -> None:
+def throughput(
+    param_gib: float, repeats: int, device: torch.device, spills: SpillTo | None = None
+) -> None:
     needed = int(param_gib * GIB * 3 * 2.3)  # model + Adam, host copies, slack
     note = ""
     param_bytes = int(param_gib * GIB)
@@ -247,14 +269,18 @@ def throughput(param_gib: float, repeats: int, device: torch.device) -> None:
         rows.append(_Row("plain copy_ (fresh host memory)", fresh_out, fresh_in))
     del tensors
     gc.collect()
-    for label, backend in _configurations(device):
+    for label, make_backend in _configurations(device, spills):
         try:
-            manager = OffloadManager(model, opt, backend=backend(), name="big")
+            backend = make_backend()
+            manager = OffloadManager(model, opt, backend=backend, name="big")
         except (RuntimeError, ValueError) as exc:  # an optional backend that cannot run here
             print(f"{label}: skipped ({exc})")
             continue
-        rows.append(_lifecycle_row(label, manager, device, repeats, total))
-        del manager
+        row = _lifecycle_row(label, manager, device, repeats, total)
+        if isinstance(backend, HostCopyBackend) and backend.spill_kind is not None:
+            row.label += f" [{backend.spill_kind}]"  # where the host copy went
+        rows.append(row)
+        del manager, backend
         gc.collect()
 
     on_cpu = device.type == "cpu"
@@ -266,14 +292,14 @@ def throughput(param_gib: float, repeats: int, device: torch.device) -> None:
         return 2 * total / (row.out + row.into)
 
     print(
-        f"{'':42s} {'out s':>7s} {'in s':>7s} {'GB/s':>7s} {'ratio':>6s} "
+        f"{'':50s} {'out s':>7s} {'in s':>7s} {'GB/s':>7s} {'ratio':>6s} "
         + (f"{'vs warm':>7s} " if on_cpu else "")
         + f"{'released':>9s} {'retaken':>8s}"
     )
     for row in rows:
         memory = "" if row.released is None else f"{row.released:9.2f} {row.retaken:8.2f}"
         print(
-            f"{row.label:42s} {row.out:7.3f} {row.into:7.3f} {rate(row) / 1e9:7.2f} "
+            f"{row.label:50s} {row.out:7.3f} {row.into:7.3f} {rate(row) / 1e9:7.2f} "
             f"{rate(row) / rate(reference):6.2f} "
             + (f"{rate(row) / rate(warm):7.2f} " if on_cpu else "")
             + memory
@@ -290,7 +316,7 @@ def throughput(param_gib: float, repeats: int, device: torch.device) -> None:
     gc.collect()
 
 
-def switch_time(repeats: int, device: torch.device) -> None:
+def switch_time(repeats: int, device: torch.device, spills: SpillTo | None = None) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
     config = Qwen2Config(
@@ -316,8 +342,14 @@ def switch_time(repeats: int, device: torch.device) -> None:
     critic["value"](hidden).mean().backward()
     critic_opt.step()
     critic_opt.zero_grad(set_to_none=True)
-    a = OffloadManager(actor, actor_opt, name="actor")
-    c = OffloadManager(critic, critic_opt, name="critic")
+
+    def backend() -> OffloadBackend:
+        if device.type != "cpu":
+            return HostCopyBackend(device)  # what backend="auto" builds on CUDA
+        return HostCopyBackend(device, spill_to=spills or "auto")
+
+    a = OffloadManager(actor, actor_opt, backend=backend(), name="actor")
+    c = OffloadManager(critic, critic_opt, backend=backend(), name="critic")
     c.sleep()
     times = []
     for _ in range(max(repeats, 20)):
@@ -330,8 +362,10 @@ def switch_time(repeats: int, device: torch.device) -> None:
         _sync(device)
         times.append(time.perf_counter() - t0)
     params = sum(p.numel() for p in actor.parameters())
+    kind = a.backend.spill_kind if isinstance(a.backend, HostCopyBackend) else None
     print(
-        f"## actor <-> critic switch, tiny Qwen2 (2 layers, hidden 64, {params:,} params/model) on {device}"
+        f"## actor <-> critic switch, tiny Qwen2 (2 layers, hidden 64, {params:,} params/model) "
+        f"on {device}" + (f", spill_to={spills or 'auto'} [{kind}]" if kind else "")
     )
     print(
         f"full round trip (actor away keeping grads, critic in, critic away, actor in): "
@@ -345,6 +379,12 @@ def main() -> None:
     parser.add_argument("--param-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--spill",
+        choices=["auto", "process", "memfd"],
+        default=None,
+        help="CPU: only the rows of this spill_to (default: auto and memfd, and the rest)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -353,9 +393,9 @@ def main() -> None:
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}"
     )
-    throughput(args.param_gib, args.repeats, device)
+    throughput(args.param_gib, args.repeats, device, args.spill)
     print()
-    switch_time(args.repeats, device)
+    switch_time(args.repeats, device, args.spill)
 
 
 if __name__ == "__main__":

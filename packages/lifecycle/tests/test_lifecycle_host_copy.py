@@ -24,6 +24,7 @@ from ppo_lifecycle import (
     OffloadManager,
     Part,
 )
+from ppo_lifecycle._backends import SpillTo, _Spill
 
 
 def _trained() -> tuple[TinyLM, torch.optim.Adam]:
@@ -246,17 +247,25 @@ def test_bad_parts_and_backend_are_named() -> None:
         OffloadManager(model, opt, backend="torch_memory_saver")
 
 
-@pytest.mark.parametrize("spill", [True, False], ids=["spill", "in-process"])
-def test_host_copies_freed_at_wake_up_or_cached(spill: bool) -> None:
+@pytest.mark.parametrize(
+    ("spill", "spill_to"),
+    [(True, "process"), (True, "memfd"), (False, "auto")],
+    ids=["spill-process", "spill-memfd", "in-process"],
+)
+def test_host_copies_freed_at_wake_up_or_cached(spill: bool, spill_to: SpillTo) -> None:
     model, opt = _trained()
-    backend = HostCopyBackend(torch.device("cpu"), spill=spill, cache_host_buffers=False)
+    backend = HostCopyBackend(
+        torch.device("cpu"), spill=spill, spill_to=spill_to, cache_host_buffers=False
+    )
     manager = OffloadManager(model, opt, backend=backend)
     total = manager.device_bytes()
     manager.sleep()
     assert backend.host_bytes() == total
     manager.wake_up()
     assert backend.host_bytes() == 0
-    cached = HostCopyBackend(torch.device("cpu"), spill=spill, cache_host_buffers=True)
+    cached = HostCopyBackend(
+        torch.device("cpu"), spill=spill, spill_to=spill_to, cache_host_buffers=True
+    )
     manager = OffloadManager(model, opt, backend=cached)
     before = snapshot(model, opt)
     for _ in range(2):  # the cached memory is reused
@@ -268,7 +277,9 @@ def test_host_copies_freed_at_wake_up_or_cached(spill: bool) -> None:
 
 def test_cpu_default_spills_and_frees_the_copy_at_wake_up() -> None:
     backend = HostCopyBackend(torch.device("cpu"))
-    assert backend.spill and not backend.cache_host_buffers
+    assert backend.spill and not backend.cache_host_buffers and backend.spill_to == "auto"
+    with pytest.raises(ValueError, match="spill_to: 'disk'"):
+        HostCopyBackend(torch.device("cpu"), spill_to="disk")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="spill=True: device meta is not the CPU"):
         HostCopyBackend(torch.device("meta"), spill=True)
     with pytest.raises(ValueError, match="spill_files: 0"):
@@ -349,12 +360,13 @@ def test_spill_spreads_pieces_over_files_and_threads(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(_backends, "_SPILL_CHUNK", 100)  # many pieces per storage
     model, opt = _trained()
-    backend = HostCopyBackend(torch.device("cpu"), spill_files=3)
+    backend = HostCopyBackend(torch.device("cpu"), spill_to="memfd", spill_files=3)
     manager = OffloadManager(model, opt, backend=backend)
     before = snapshot(model, opt)
     total = manager.device_bytes()
     manager.sleep(parts=KEEP_GRADIENTS)
     spill = backend._spills[Part.OPTIMIZER]
+    assert isinstance(spill, _Spill)
     assert len(spill.fds) == 3 and len({p.file for p in spill.pieces}) == 3
     assert max(p.length for p in spill.pieces) <= 100
     manager.sleep()
@@ -388,7 +400,7 @@ def test_spill_moves_many_pieces_per_call_and_resumes_short_transfers(
         return call
 
     model, opt = _trained()
-    backend = HostCopyBackend(torch.device("cpu"), spill_files=1)
+    backend = HostCopyBackend(torch.device("cpu"), spill_to="memfd", spill_files=1)
     manager = OffloadManager(model, opt, backend=backend)
     before = snapshot(model, opt)
     count = len({t.untyped_storage()._cdata for t in manager._inventory()[Part.PARAMETERS]})
@@ -424,12 +436,13 @@ def test_spill_moves_many_pieces_per_call_and_resumes_short_transfers(
 
 def test_spill_read_of_a_truncated_copy_fails_loudly() -> None:
     model, opt = _trained()
-    backend = HostCopyBackend(torch.device("cpu"), spill_files=1)
+    backend = HostCopyBackend(torch.device("cpu"), spill_to="memfd", spill_files=1)
     manager = OffloadManager(model, opt, backend=backend)
     manager.sleep(parts={Part.PARAMETERS})
     import os
 
     spill = backend._spills[Part.PARAMETERS]
+    assert isinstance(spill, _Spill)
     os.ftruncate(spill.fds[0], spill.nbytes() - 1)
     with pytest.raises(OSError, match="host copy ends early"):
         manager.wake_up()
@@ -439,7 +452,8 @@ def test_failed_spill_write_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> No
     import os
 
     model, opt = _trained()
-    manager = OffloadManager(model, opt)
+    backend = HostCopyBackend(torch.device("cpu"), spill_to="memfd")
+    manager = OffloadManager(model, opt, backend=backend)
     before = snapshot(model, opt)
     resident = manager.device_bytes()
 
@@ -461,7 +475,7 @@ def test_failed_wake_up_is_retried_from_the_spill(monkeypatch: pytest.MonkeyPatc
     import os
 
     model, opt = _trained()
-    backend = HostCopyBackend(torch.device("cpu"))
+    backend = HostCopyBackend(torch.device("cpu"), spill_to="memfd")
     manager = OffloadManager(model, opt, backend=backend)
     before = snapshot(model, opt)
     manager.sleep()

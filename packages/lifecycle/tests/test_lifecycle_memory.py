@@ -29,12 +29,12 @@ _CPU_CHILD = textwrap.dedent(
     import json, os, sys
     import torch
     from torch import nn
-    from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, OffloadManager, Part
+    from ppo_lifecycle import ALL_PARTS, KEEP_GRADIENTS, HostCopyBackend, OffloadManager, Part
 
     PAGE = os.sysconf("SC_PAGE_SIZE")
 
-    def rss():
-        with open("/proc/self/statm") as f:
+    def rss(pid="self"):
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * PAGE
 
     def digest(model, opt):
@@ -54,7 +54,8 @@ _CPU_CHILD = textwrap.dedent(
     opt.step()
     model(x).square().mean().backward()  # pending gradients, kept by KEEP_GRADIENTS
     del x
-    manager = OffloadManager(model, opt, name=sys.argv[1])
+    backend = HostCopyBackend(torch.device("cpu"), spill_to=sys.argv[2])
+    manager = OffloadManager(model, opt, backend=backend, name=sys.argv[1])
     sizes = manager.part_bytes()
     before = digest(model, opt)
     out = {"slept": sizes[Part.PARAMETERS] + sizes[Part.OPTIMIZER] + sizes[Part.BUFFERS],
@@ -63,19 +64,24 @@ _CPU_CHILD = textwrap.dedent(
         awake = rss()
         manager.sleep(parts=parts)
         asleep = rss()
+        hosts = {s.host.pid for s in backend._spills.values() if hasattr(s, "host")}
+        held = sum(rss(pid) for pid in hosts)  # the host process holds the copy
         manager.wake_up()
         out["cycles"].append({"all": parts == ALL_PARTS, "awake": awake, "asleep": asleep,
-                              "woken": rss()})
+                              "woken": rss(), "held": held})
     out["exact"] = digest(model, opt) == before
+    out["kind"] = backend.spill_kind
     print(json.dumps(out))
     """
 )
 
 
-def test_sleeping_cpu_worker_gives_its_memory_back_to_the_os() -> None:
-    """RSS drops by >= 80 % of parameters + Adam state on sleep, and comes back on wake."""
+@pytest.mark.parametrize("spill_to", ["process", "memfd"])
+def test_sleeping_cpu_worker_gives_its_memory_back_to_the_os(spill_to: str) -> None:
+    """RSS drops by >= 80 % of parameters + Adam state on sleep, and comes back on wake,
+    with the host copy in a host-memory process (the default) or in memfd files."""
     done = subprocess.run(
-        [sys.executable, "-c", _CPU_CHILD, "actor"],
+        [sys.executable, "-c", _CPU_CHILD, "actor", spill_to],
         capture_output=True,
         text=True,
         timeout=300,
@@ -96,7 +102,9 @@ def test_sleeping_cpu_worker_gives_its_memory_back_to_the_os() -> None:
         assert taken >= CPU_RELEASED * moved, (i, taken / moved)
         grown = cycle["woken"] - baseline  # a wake-up holds no second copy
         assert grown <= (1 - CPU_RELEASED) * moved, (i, grown / moved)
-    assert result["exact"]
+        if spill_to == "process":
+            assert cycle["held"] >= moved, (i, cycle["held"] / moved)
+    assert result["exact"] and result["kind"] == spill_to
 
 
 _CUDA_CHILD = textwrap.dedent(

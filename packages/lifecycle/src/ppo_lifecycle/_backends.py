@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
+from ._host_process import HostProcess, HostProcessError, shared_host_process
 from ._parts import Part
 from ._tensors import StorageGroup
 
@@ -285,6 +286,149 @@ class _Spill:
         self._finalizer()
 
 
+#: A piece of host memory: ``(address, bytes)``.
+_Span = tuple[int, int]
+
+#: Threads' shares of a copy into a host-memory process are rounded to this (2 MiB
+#: transparent huge pages: no two threads fault in the same one).
+_HUGE_PAGE = 2 * 2**20
+
+
+def _split(spans: Sequence[_Span], count: int) -> list[tuple[list[_Span], int]]:
+    """Cut ``spans`` (back to back from offset 0) into at most ``count`` runs of about
+    equal bytes: ``(spans, offset of the run)`` each."""
+    total = sum(n for _, n in spans)
+    share = max(1, -(-total // max(1, count)))
+    if share >= _HUGE_PAGE:
+        share = -(-share // _HUGE_PAGE) * _HUGE_PAGE
+    runs: list[tuple[list[_Span], int]] = []
+    run: list[_Span] = []
+    start = pos = 0
+    for address, length in spans:
+        while length > 0:
+            take = min(length, start + share - pos)
+            run.append((address, take))
+            address, length, pos = address + take, length - take, pos + take
+            if pos == start + share:
+                runs.append((run, start))
+                run, start = [], pos
+    if run:
+        runs.append((run, start))
+    return runs
+
+
+def _free_region(state: dict[str, Any]) -> None:
+    """Hand a :class:`_ProcessSpill`'s region back to its host process (which it then
+    stops holding: the process ends once nothing holds it)."""
+    host: HostProcess | None = state.pop("host", None)
+    address = state.pop("address", None)
+    if host is not None and address is not None:
+        with contextlib.suppress(OSError):
+            host.free(address)
+
+
+class _ProcessSpill:
+    """One part's host copy, kept in a host-memory child process (see
+    :mod:`ppo_lifecycle._host_process`): one region of the child's memory (2 MiB huge
+    pages), written and read straight from and to the storages with
+    ``process_vm_writev``/``readv`` by up to ``threads`` threads on disjoint runs, and
+    unmapped by the child at the wake-up (this process does not wait for it).
+    """
+
+    def __init__(self, label: str, host: HostProcess, threads: int) -> None:
+        self.label = label
+        self.threads = max(1, threads)
+        # What the finalizer frees: the host process and the region held in it.
+        self._state: dict[str, Any] = {"host": host, "address": None, "nbytes": 0}
+        self._finalizer = weakref.finalize(self, _free_region, self._state)
+
+    @property
+    def host(self) -> HostProcess:
+        host: HostProcess = self._state["host"]
+        return host
+
+    def _runs(self, storages: Sequence[torch.UntypedStorage]) -> list[tuple[list[_Span], int]]:
+        spans = [(s.data_ptr(), s.nbytes()) for s in storages]
+        total = sum(n for _, n in spans)
+        return _split(spans, min(self.threads, max(1, -(-total // _SPILL_CHUNK))))
+
+    def write(self, storages: Sequence[torch.UntypedStorage]) -> None:
+        """Copy every storage's bytes into the host process (the storages are left as
+        they are); a region of the right size from an earlier sleep is reused."""
+        total = sum(s.nbytes() for s in storages)
+        state = self._state
+        if state["address"] is not None and state["nbytes"] != total:
+            self.drop()
+        if total == 0:
+            return
+        if state["address"] is None:
+            if not self.host.alive:  # ended (killed?) while nothing was in it: a new one
+                host, reason = shared_host_process()
+                if host is None:
+                    raise HostProcessError(f"{self.label}: {reason}")
+                state["host"] = host
+            state["address"], state["nbytes"] = self.host.alloc(total), total
+        address = state["address"]
+
+        def job(spans: list[_Span], offset: int) -> None:
+            if self.host.write(spans, address + offset) < sum(n for _, n in spans):
+                raise OSError(f"{self.label}: the host copy stopped growing at {offset}")
+
+        try:
+            _Spill._in_parallel([functools.partial(job, *run) for run in self._runs(storages)])
+        except BaseException:
+            self.drop()
+            raise
+
+    def read(self, storages: Sequence[torch.UntypedStorage]) -> None:
+        """Copy the bytes back into ``storages`` (allocated, same sizes as written)."""
+        total = sum(s.nbytes() for s in storages)
+        if total == 0:
+            return
+        address, held = self._state["address"], self._state["nbytes"]
+        if address is None or held != total:
+            raise OSError(f"{self.label}: the host copy holds {held} bytes, not {total}")
+        self.host.check(address, total)  # alive, and still the process that holds it
+
+        def job(spans: list[_Span], offset: int) -> None:
+            got = self.host.read(spans, address + offset)
+            if got < sum(n for _, n in spans):
+                raise OSError(f"{self.label}: host copy ends early ({offset + got} bytes)")
+
+        _Spill._in_parallel([functools.partial(job, *run) for run in self._runs(storages)])
+
+    def drop(self) -> None:
+        """Free the region (the host process unmaps it; this does not wait). Never
+        raises: a host process that is gone holds nothing any more."""
+        address = self._state["address"]
+        self._state["address"], self._state["nbytes"] = None, 0
+        if address is not None:
+            with contextlib.suppress(OSError):
+                self.host.free(address)
+
+    def nbytes(self) -> int:
+        nbytes: int = self._state["nbytes"]
+        return nbytes
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+SpillTo = Literal["auto", "process", "memfd"]
+
+_fallback_logged = False
+
+
+def _log_fallback_once(reason: str) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        logger.warning(
+            "host copies of CPU storages go to memfd files (slower sleeps and wake-ups): %s",
+            reason,
+        )
+
+
 class HostCopyBackend:
     """Copy each storage to host memory, free it on the device, restore it in place.
 
@@ -297,10 +441,16 @@ class HostCopyBackend:
     asynchronously with one synchronisation per direction.
 
     On a CPU "device" the host copy cannot stay in the process (its resident memory
-    *is* the device memory): by default it is spilled to anonymous in-memory files
-    (``memfd``: kernel shared memory outside the process's resident set, freed when
-    the backend goes away, never on disk), several at once, read back on wake-up.
-    So a sleeping CPU worker's RSS drops by what it put to sleep.
+    *is* the device memory): by default it is spilled out of the process, so a
+    sleeping CPU worker's RSS drops by what it put to sleep. Where it can, the copy
+    goes to a small child process that holds memory for this one (started at the
+    first sleep, shared by the process's backends, ended and reaped once none holds
+    it; 2 MiB huge pages, copied to and fro with ``process_vm_writev``/``readv``: see
+    :mod:`ppo_lifecycle._host_process`). Where that is not allowed (Yama
+    ``ptrace_scope`` >= 2, a seccomp profile without ``process_vm_writev``) it goes
+    to anonymous in-memory files instead (``memfd``: kernel shared memory outside the
+    process's resident set, never on disk; 4 KiB pages, so slower), logged once.
+    Either way the copy is freed when the backend goes away, or the process dies.
 
     Args:
         device: the device whose storages move (``cpu`` or ``cuda:N``).
@@ -309,13 +459,17 @@ class HostCopyBackend:
             reuse it (pinning and first-touch page faults are slow). Default: ``True``
             on CUDA (pinned buffers); ``False`` with a spill (on a CPU "device" the
             host is the device: cached copies would hold the model's memory twice).
-        spill: host copies go to in-memory files outside the process (CPU only);
-            default: ``True`` on a CPU "device". ``False``: ``torch`` host tensors.
-        spill_files: how many files (and copying threads) a part is spread over;
-            default: ``torch.get_num_threads()``, at most 8.
+        spill: host copies go outside the process (CPU only); default: ``True`` on a
+            CPU "device". ``False``: ``torch`` host tensors.
+        spill_to: where a spill goes: ``"process"`` (a host-memory child process;
+            raises at the first sleep where that cannot work), ``"memfd"`` (in-memory
+            files), ``"auto"`` (default: the process, else memfd files).
+        spill_files: how many copying threads (and memfd files) a part is spread
+            over; default: ``torch.get_num_threads()``, at most 8.
 
     Raises:
-        ValueError: ``spill=True`` on a device that is not the CPU.
+        ValueError: ``spill=True`` on a device that is not the CPU, or an unknown
+            ``spill_to``.
     """
 
     name = "host_copy"
@@ -327,6 +481,7 @@ class HostCopyBackend:
         pin_memory: bool | None = None,
         cache_host_buffers: bool | None = None,
         spill: bool | None = None,
+        spill_to: SpillTo = "auto",
         spill_files: int | None = None,
     ) -> None:
         self.device = device
@@ -337,6 +492,9 @@ class HostCopyBackend:
                 f"spill=True: device {device} is not the CPU; a spill keeps a CPU device's "
                 "host copy outside the process (on CUDA the host copy is pinned memory)"
             )
+        if spill_to not in ("auto", "process", "memfd"):
+            raise ValueError(f"spill_to: {spill_to!r} is not 'auto', 'process' or 'memfd'")
+        self.spill_to: SpillTo = spill_to
         self.pin_memory = on_cuda if pin_memory is None else pin_memory
         if cache_host_buffers is None:
             cache_host_buffers = not self.spill
@@ -346,7 +504,7 @@ class HostCopyBackend:
         self.spill_files = spill_files or min(8, torch.get_num_threads())
         self._saved: dict[Part, list[_Saved]] = {}
         self._cache: dict[int, torch.Tensor] = {}
-        self._spills: dict[Part, _Spill] = {}
+        self._spills: dict[Part, _Spill | _ProcessSpill] = {}
 
     def _host_buffer(self, key: int, nbytes: int) -> torch.Tensor:
         cached = self._cache.get(key)
@@ -357,11 +515,30 @@ class HostCopyBackend:
             self._cache[key] = buf
         return buf
 
-    def _spill_of(self, part: Part) -> _Spill:
+    def _spill_of(self, part: Part) -> _Spill | _ProcessSpill:
         spill = self._spills.get(part)
         if spill is None:
-            spill = self._spills[part] = _Spill(f"{part.value}", self.spill_files)
+            host = None
+            if self.spill_to != "memfd":
+                host, reason = shared_host_process()
+                if host is None:
+                    if self.spill_to == "process":
+                        raise HostProcessError(f"spill_to='process': {reason}")
+                    _log_fallback_once(reason)
+            if host is not None:
+                spill = _ProcessSpill(f"{part.value}", host, self.spill_files)
+            else:
+                spill = _Spill(f"{part.value}", self.spill_files)
+            self._spills[part] = spill
         return spill
+
+    @property
+    def spill_kind(self) -> Literal["process", "memfd"] | None:
+        """Where this backend's host copies went (``None``: no spill made yet)."""
+        if not self._spills:
+            return None
+        first = next(iter(self._spills.values()))
+        return "process" if isinstance(first, _ProcessSpill) else "memfd"
 
     def check_releasable(self, part: Part, groups: Sequence[StorageGroup]) -> None:
         """Raise ValueError, before anything moves, if a storage cannot be freed.
