@@ -133,11 +133,13 @@ def test_streaming_chunks_counters_and_outputs(
     } <= phases
     # each chunk wakes only what its work needs: the actor its parameters, buffers and
     # (kept) gradients for train_chunk; its optimizer state comes back once per step,
-    # for the update; the critic's value forwards leave its optimizer state asleep
+    # for the update; the critic's value forwards leave its optimizer state asleep (its
+    # wake-up starts during the wait, and runs into the chunk when that was ready)
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("cat") == "chunk"]
     switches = [e for e in trace if e.get("cat") == "switch"]
     in_chunks = [e["name"] for e in switches if any(a <= e["ts"] < b for a, b in spans)]
     assert set(in_chunks) <= {
+        "critic.wake_up(parameters+buffers)",
         "critic.sleep(all)",
         "actor.wake_up(parameters+buffers+gradients)",
         "actor.sleep(keep_grads)",
