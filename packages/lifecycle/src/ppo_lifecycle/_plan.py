@@ -123,6 +123,21 @@ def _other(role: Role) -> Role:
     return Role.CRITIC if role is Role.ACTOR else Role.ACTOR
 
 
+def _start_state(
+    resident: Role | str | None, parts: Iterable[Part], *, pending: bool
+) -> tuple[Role | None, frozenset[Part]]:
+    """``(resident, its parts on the device)``, made consistent: while the actor holds
+    pending gradients they count as resident (kept), and an actor holding nothing else
+    is not resident. Shared by :func:`plan_transitions` and the planner's state."""
+    role = None if resident is None else Role(resident)
+    chosen = normalize_parts(parts) if role is not None else frozenset()
+    if role is Role.ACTOR and pending:
+        chosen = chosen | {Part.GRADIENTS}
+        if chosen == {Part.GRADIENTS}:  # only its kept gradients: asleep, in effect
+            role, chosen = None, frozenset()
+    return role, chosen
+
+
 def plan_transitions(
     phases: Sequence[Phase],
     *,
@@ -162,13 +177,8 @@ def plan_transitions(
             while the actor holds un-applied gradients (inside an update), or
             ``resident_parts`` is empty or not made of :class:`Part`.
     """
-    state: Role | None = resident
-    awake = normalize_parts(resident_parts) if resident is not None else frozenset()
     pending = pending_gradients
-    if resident is Role.ACTOR and pending:
-        awake = awake | {Part.GRADIENTS}
-        if awake == {Part.GRADIENTS}:  # only its kept gradients: asleep, in effect
-            state, awake = None, frozenset()
+    state, awake = _start_state(resident, resident_parts, pending=pending)
     out: list[PlanStep] = []
 
     def switch(to: Role, needed: frozenset[Part]) -> None:

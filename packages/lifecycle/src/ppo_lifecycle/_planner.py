@@ -14,6 +14,7 @@ from ._plan import (
     Role,
     Transition,
     Work,
+    _start_state,
     plan_transitions,
 )
 
@@ -89,14 +90,8 @@ class _State:
 def _state(
     resident: Role | str | None, pending: bool, switches: int, parts: Iterable[Part]
 ) -> _State:
-    """A consistent state: the actor's kept gradients count as resident while pending
-    (an actor holding nothing else is not resident)."""
-    role = None if resident is None else Role(resident)
-    chosen = normalize_parts(parts) if role is not None else frozenset()
-    if role is Role.ACTOR and pending:
-        chosen = chosen | {Part.GRADIENTS}
-        if chosen == {Part.GRADIENTS}:
-            role, chosen = None, frozenset()
+    """A consistent state (see :func:`~ppo_lifecycle._plan._start_state`)."""
+    role, chosen = _start_state(resident, parts, pending=pending)
     return _State(role, pending, switches, chosen)
 
 
