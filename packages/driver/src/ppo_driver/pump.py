@@ -162,6 +162,25 @@ class StepReport:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class _Queued:
+    """A transition started and not yet awaited."""
+
+    pending: Pending
+    label: str
+    step: int
+
+
+@dataclass
+class _Started:
+    """A worker call started, with the queued transitions it waits for."""
+
+    pending: Pending
+    deps: list[_Queued]
+    step: int
+    phase: str
+
+
 @dataclass
 class _StepState:
     """What one step gathers while it runs (the pump itself keeps only counters)."""
@@ -217,8 +236,8 @@ class TrainPump:
         self.weight_version = 0
         self.fail_at = fail_at
         self.in_update = False
-        # transitions started and not yet awaited: (call, label, step)
-        self._pending: list[tuple[Pending, str, int]] = []
+        # transitions started and not yet awaited, in order
+        self._queued: list[_Queued] = []
         self._counted: dict[str, float] = {}  # the actor's pass counters at the last step
         # True once this step's policy is final on the engines (after the early refit):
         # the next step's prompts may then be dispatched, overlapping critic training.
@@ -326,20 +345,29 @@ class TrainPump:
 
     def _train_chunk(self, s: _StepState, chunk: ChunkBatch, *, more: bool) -> None:
         """Value forward, GAE, and (streaming) the actor's forward + backward: one call
-        per model; the tokens go to Ray's object store once for both."""
+        per model; the tokens go to Ray's object store once for both.
+
+        While streaming, no switch waits on the driver: the critic's sleep is queued
+        behind its forward (it runs while the driver computes GAE, and the actor's call
+        starts when it ends), and after a chunk that is not the last the actor stays
+        resident; its sleep and the critic's wake-up are queued for the wait."""
         ppo = self.cfg.ppo
         rows = Rows(chunk.model_inputs())
         backward = s.policy and not self._policy_epochs
         if backward:
-            after_values: tuple[Phase, ...] = (Phase.POLICY_BACKWARD,)
+            after_values: tuple[Phase, ...] = ()
         elif more:
             after_values = (Phase.WAIT, Phase.VALUE_FORWARD)
         else:
             after_values = (Phase.POLICY_FORWARD if s.policy else Phase.CRITIC_TRAIN,)
-        values = self._call(
-            Role.CRITIC, Phase.VALUE_FORWARD, "compute_values", s.step, then=after_values, rows=rows
+        plan = self._plan(Role.CRITIC, Phase.VALUE_FORWARD, s.step, then=after_values)
+        started = self._submit(
+            plan, Role.CRITIC, Phase.VALUE_FORWARD, "compute_values", s.step, rows=rows
         )
-        chunk.old_values = values.tensor()
+        if backward:  # queues the critic's sleep now, behind its forward
+            then = () if more else (Phase.POLICY_UPDATE,)
+            actor_plan = self._plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step, then=then)
+        chunk.old_values = self._result(started).tensor()
         advantages, chunk.returns = gae(
             rewards=chunk.rewards,
             values=chunk.old_values,
@@ -351,18 +379,17 @@ class TrainPump:
             advantages = masked_whiten(values=advantages, mask=chunk.loss_mask)
         chunk.advantages = advantages
         if backward:
-            after = (Phase.WAIT, Phase.VALUE_FORWARD) if more else (Phase.POLICY_UPDATE,)
-            out = self._call(
+            started = self._submit(
+                actor_plan,
                 Role.ACTOR,
                 Phase.POLICY_BACKWARD,
                 "train_chunk",
                 s.step,
-                then=after,
                 rows=rows,
                 per_sample={"advantages": advantages, "engine_logprobs": chunk.engine_logprobs},
                 loss_denominator=s.denominator,
             )
-            s.chunk_metrics.append(out.summed())
+            s.chunk_metrics.append(self._result(started).summed())
         s.chunks.append(chunk)
 
     # ---------------------------------------------------------------- after the chunks
@@ -462,46 +489,69 @@ class TrainPump:
         **kwargs: Any,
     ) -> GroupResult:
         """One worker call of ``role`` for ``phase``, carrying the plan's transitions."""
-        self._settle()
-        plan: CallPlan = self.planner.call(role, phase, then=then)
-        self._execute(plan.before, step)
-        result = self.groups[role].call(
+        plan = self._plan(role, phase, step, then=then)
+        return self._result(self._submit(plan, role, phase, method, step, **kwargs))
+
+    def _plan(self, role: Role, phase: Phase, step: int, *, then: Sequence[Phase] = ()) -> CallPlan:
+        """The planner's choice for one call of ``role``; the transitions it puts before
+        the call that the call does not carry (the other model's sleep) are queued."""
+        plan = self.planner.call(role, phase, then=then)
+        for t in plan.before:
+            self._queue(t, step)
+        return plan
+
+    def _submit(
+        self, plan: CallPlan, role: Role, phase: Phase, method: str, step: int, **kwargs: Any
+    ) -> _Started:
+        """Start the call ``plan`` was made for; it starts once every transition queued
+        so far has finished (Ray holds it back; the driver goes on)."""
+        deps = list(self._queued)
+        pending = self.groups[role].submit(
             method,
             wake_first=plan.wake_parts if plan.wake_first else False,
             sleep_after=plan.sleep_after,
+            after=[q.pending for q in deps],
             **kwargs,
         )
-        self._trace_timeline(result.timeline, step, phase=_PHASE_OF.get(phase, str(phase)))
+        return _Started(pending, deps, step, _PHASE_OF.get(phase, str(phase)))
+
+    def _result(self, started: _Started) -> GroupResult:
+        """Wait for a started call; the transitions it waited for are done: trace them."""
+        result = started.pending.result()
+        self._settle(started.deps)
+        self._trace_timeline(result.timeline, started.step, phase=started.phase)
         return result
 
     def _switch(self, step: int, *phases: Phase, wait: bool = True) -> None:
         """Run the transitions the plan puts before ``phases`` (normally none: calls carry
-        them). ``wait=False``: started, awaited before the next call (a wake-up that
-        overlaps the wait for the next chunk)."""
-        self._settle()
-        transitions = self.planner.before(*phases)
+        them). ``wait=False``: queued (e.g. the actor's sleep and the critic's wake-up
+        while the pump waits for the next chunk); the next worker call waits for them."""
+        for t in self.planner.before(*phases):
+            self._queue(t, step)
         if wait:
-            self._execute(transitions, step)
-            return
-        for t in transitions:
-            self._pending.append((self._start(t), str(t), step))
+            self._settle()
 
-    def _start(self, t: Transition) -> Pending:
-        if t.action is Action.SLEEP:
-            return self.groups[t.role].submit("sleep", parts=t.parts)
-        return self.groups[t.role].submit("wake_up", parts=t.parts)
+    def _queue(self, t: Transition, step: int) -> None:
+        """Start ``t`` once every transition queued before it has finished: one model's
+        sleep always ends before the other's wake-up starts, without the driver waiting."""
+        method = "sleep" if t.action is Action.SLEEP else "wake_up"
+        after = [q.pending for q in self._queued]
+        pending = self.groups[t.role].submit(method, parts=t.parts, after=after)
+        self._queued.append(_Queued(pending, str(t), step))
 
     def _execute(self, transitions: Sequence[Transition], step: int) -> None:
         for t in transitions:
-            with self.trace.span(str(t), phase="switch", step=step):
-                self._start(t).result()
+            self._queue(t, step)
+        self._settle()
 
-    def _settle(self) -> None:
-        """Wait for transitions left running (surfaces their errors) and trace them."""
-        pending, self._pending = self._pending, []
-        for p, label, step in pending:
-            result = p.result()
-            self._trace_timeline([(label, *result.timeline[0][1:])], step, "switch")
+    def _settle(self, done: Sequence[_Queued] | None = None) -> None:
+        """Wait for queued transitions (``done``, default all; surfaces their errors)
+        and trace them."""
+        todo = list(self._queued) if done is None else list(done)
+        self._queued = [q for q in self._queued if q not in todo]
+        for q in todo:
+            result = q.pending.result()
+            self._trace_timeline([(q.label, *result.timeline[0][1:])], q.step, "switch")
 
     def save_models(self, save: Callable[[Role], object], *, step: int) -> None:
         """Checkpoint both models in the plan's order (resident one first), ending with

@@ -128,7 +128,8 @@ class GroupResult:
 
 @dataclass
 class Pending:
-    """A call started on every rank; :meth:`result` waits for it."""
+    """A call started on every rank; :meth:`result` waits for it (``refs`` may order
+    later calls: see ``TrainGroup.submit(after=...)``)."""
 
     group: TrainGroup
     refs: list[ray.ObjectRef[tuple[Any, Timeline]]]
@@ -167,8 +168,12 @@ class _Host:
         rows: dict[str, Tensor] | None,
         per_sample: dict[str, Tensor],
         kwargs: dict[str, Any],
+        *after: object,
     ) -> tuple[Any, Timeline]:
-        """``worker.<method>(rows, **per_sample, **kwargs)``; returns (result, timeline)."""
+        """``worker.<method>(rows, **per_sample, **kwargs)``; returns (result, timeline).
+
+        ``after``: results of earlier calls (on any process) that Ray resolves before
+        this call starts; their values are not used (they only order the calls)."""
         args = () if rows is None else (rows,)
         t0 = time.time()
         result = getattr(self.worker, method)(*args, **per_sample, **kwargs)
@@ -242,6 +247,7 @@ class TrainGroup:
         per_sample: Mapping[str, Tensor] | None = None,
         wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
+        after: Sequence[Pending] = (),
         **kwargs: Any,
     ) -> Pending:
         """Start ``method`` on every rank as ONE Ray call each.
@@ -250,7 +256,9 @@ class TrainGroup:
         tensor/pipeline peers the same ones). ``per_sample``: further ``[B, ...]``
         tensors, split the same way. ``wake_first`` (``True``: every part, or the parts
         to wake) / ``sleep_after``: the plan's lifecycle choice, carried out by the
-        worker around the work.
+        worker around the work. ``after``: calls (of this group or another) that must
+        finish before this one starts; Ray holds the call back until they have, so the
+        driver need not wait for them (a wake-up queued behind the other model's sleep).
         """
         if rows is not None or per_sample:
             size = rows.size if rows is not None else _rows_of(per_sample or {})
@@ -263,6 +271,7 @@ class TrainGroup:
         if sleep_after is not None:
             lifecycle["sleep_after"] = frozenset(sleep_after)
         refs = []
+        before = [ref for p in after for ref in p.refs]
         rows_refs = rows.shards(self.dp_size) if rows is not None else None
         for rank, handle in enumerate(self.handles):
             dp = self._dp_of[rank]
@@ -273,6 +282,7 @@ class TrainGroup:
                     rows_refs[dp] if rows_refs is not None else None,
                     sliced,
                     {**kwargs, **lifecycle},
+                    *before,
                 )
             )
         return Pending(self, refs)
