@@ -9,13 +9,17 @@ first step of each mode is a warm-up and is not counted.
 Profiles (``--profile``), each a list of overrides on the ``ppo-driver train`` defaults:
 
 * ``separate`` (default): the document's setting on this CPU machine. Generation runs
-  on its own device: the engine waits ``rollout.decode_delay_s`` (0.1 s) per decode
+  on its own device: the engine waits ``rollout.decode_delay_s`` (0.2 s) per decode
   step, so most of its time passes without taking the trainers' cores (its forwards
   still share the two CPU cores, which no real deployment does). Models of hidden
   192 / 3 layers and responses of up to 24 tokens make a step's training (about 3.5 s
-  at the default 64 prompts x 4 samples) of the same order as its generation (4-6 s).
-  With the 0.02 s used before the defaults grew to 64 prompts, generation took about
-  1 s and hid entirely behind critic training: nothing was left to overlap.
+  at the default 64 prompts x 4 samples) shorter than its generation (about 4.8 s: the
+  step's 64 groups decode as one batch, and a group is done when its longest sample
+  is). The policy's learning rate is 1e-9: the policy does not move, so both modes
+  generate the same responses step after step and their step times differ only by the
+  schedule. With the default rate the two policies drift apart within 2-3 steps (in one
+  run, mean response lengths of 19 against 5 tokens at step 3), and the step times
+  then follow the response lengths, not the pump: ``separate-learning`` runs that.
 * ``tail``: the real engine on the shared cores, responses of up to 48 tokens (the
   untrained policy's lengths spread from a few tokens to the limit). Training-bound
   here: generation hides behind critic training, and overlapped chunks compete with
@@ -48,11 +52,12 @@ PROFILES: dict[str, list[str]] = {
     "tiny": [],
     "tail": ["rollout.max_new_tokens=48"],
 }
-PROFILES["separate"] = [
+PROFILES["separate-learning"] = [
     *PROFILES["balanced"],
     "rollout.max_new_tokens=24",
-    "rollout.decode_delay_s=0.1",
+    "rollout.decode_delay_s=0.2",
 ]
+PROFILES["separate"] = [*PROFILES["separate-learning"], "policy.lr=1e-9"]
 
 
 def _run(mode: str, overrides: list[str], steps: int, root: Path) -> list[dict[str, Any]]:

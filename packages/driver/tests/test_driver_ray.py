@@ -147,6 +147,19 @@ def test_streaming_chunks_counters_and_outputs(
     assert in_chunks.count("actor.wake_up(parameters+buffers+gradients)") == sum(closing.values())
     names = [e["name"] for e in switches]
     assert names.count("actor.wake_up(optimizer)") == 3
+    # the switches are queued, not awaited by the driver, yet run in order: each wake-up
+    # starts after the other model's latest sleep ended (worker clocks placed on the
+    # driver's timeline: a few microseconds of skew; a sleep takes milliseconds)
+    for wake in (e for e in switches if ".wake_up(" in e["name"]):
+        role = wake["name"].split(".")[0]
+        earlier = [
+            e
+            for e in switches
+            if ".sleep(" in e["name"] and not e["name"].startswith(role) and e["ts"] < wake["ts"]
+        ]
+        if earlier:
+            last = max(earlier, key=lambda e: e["ts"])
+            assert last["ts"] + last["dur"] <= wake["ts"] + 50, (last, wake)
     assert "critic.wake_up(parameters+buffers)" in names
     for s in (0, 1):
         critic_end = max(

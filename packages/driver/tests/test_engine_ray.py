@@ -191,7 +191,7 @@ def test_calls_sent_together_share_a_round_and_short_groups_return_first(
     (first,), _ = ray.wait(refs, num_returns=1, timeout=120)
     health = ray.get(e.health.remote())
     outs = [ray.get(r, timeout=120)[0] for r in refs]
-    ray.get([e.set_step_delay.remote(0.0), e.set_gather_window.remote(0.005)])
+    ray.get([e.set_step_delay.remote(0.0), e.set_gather_window.remote(0.05)])
     assert first == refs[2]  # the short group came back first ...
     assert health.extra["rounds"] - before == 1  # ... from the one round of all five ...
     assert health.extra["busy"] == 5  # ... which went on decoding the long ones

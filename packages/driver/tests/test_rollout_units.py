@@ -198,6 +198,33 @@ def test_embedded_engine_paces_decode_steps(
     assert slept[:3] == [0.03, 0.0, 0.01]  # 0.04 - compute, never negative
 
 
+def test_embedded_engine_gathers_calls_sent_one_after_another(dataset: PromptDataset) -> None:
+    """A dispatcher sends one call per group, one after another: each arrival keeps the
+    round open, so calls spread over more than one gather window still decode as one
+    round (with a fixed window from the first call, the later ones waited for a second
+    round: a step's generation took two round lengths)."""
+    import threading
+    import time
+
+    engine = EmbeddedEngine(
+        model=tiny_qwen2_config(vocab_size=TOK.vocab_size), run_seed=1, gather_s=0.2
+    )
+    width = len(dataset.prompt_ids(0))  # a round holds prompts of one length
+    ids = [i for i in range(len(dataset)) if len(dataset.prompt_ids(i)) == width][:5]
+    assert len(ids) == 5
+    params = SamplingParams(n=2, max_new_tokens=3, stop_token_ids=())
+    calls = []
+    for i in ids:  # 5 calls 0.1 s apart: 0.4 s in all, more than one 0.2 s window
+        req = GroupRequest(prompt_index=i, prompt_ids=dataset.prompt_ids(i), params=params)
+        calls.append(threading.Thread(target=engine.generate, args=([req],)))
+        calls[-1].start()
+        time.sleep(0.1)
+    for call in calls:
+        call.join(timeout=60)
+    assert engine.groups_served == 5
+    assert engine.rounds == 1
+
+
 # -- tokenizer ------------------------------------------------------------------------------
 
 

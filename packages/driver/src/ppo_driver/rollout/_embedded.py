@@ -44,6 +44,8 @@ from ._types import (
 
 _log = logging.getLogger(__name__)
 
+_GATHER_LIMIT = 10  # a round gathers for at most this many gather windows
+
 
 @dataclass(eq=False)
 class _Ticket:
@@ -71,7 +73,10 @@ class EmbeddedEngine:
             a prompt length as one batch (deterministic on batch-invariant kernels,
             e.g. CPU); ``False``: one group per round.
         weight_version: the version of the initial weights.
-        gather_s: how long a round waits for more calls to join before it starts.
+        gather_s: a round starts once no call has joined it for this long (calls sent
+            together, e.g. one per group of a step, arrive one after another: each
+            arrival keeps the round open), and at the latest ``10 * gather_s`` after
+            it began gathering.
         step_delay_s: each decode step takes at least this long: the engine sleeps what
             its compute left of it (emulates a device of that speed, whatever else runs
             on the host's cores while the compute fits in the period).
@@ -87,7 +92,7 @@ class EmbeddedEngine:
         num_threads: int | None = 1,
         batch_groups: bool = True,
         weight_version: int = 0,
-        gather_s: float = 0.005,
+        gather_s: float = 0.05,
         step_delay_s: float = 0.0,
     ) -> None:
         if device == "auto":
@@ -108,6 +113,7 @@ class EmbeddedEngine:
         self._cv = threading.Condition()  # queue, tickets, leader, pause, busy
         self._queue: list[_Ticket] = []
         self._leading = False
+        self._last_arrival = 0.0  # when the latest generate() call queued its groups
         self._busy = 0
         self._unpaused = threading.Event()
         self._unpaused.set()
@@ -140,6 +146,7 @@ class EmbeddedEngine:
         tickets = [_Ticket(request=r, samples=[None] * r.params.n) for r in requests]
         with self._cv:
             self._queue.extend(tickets)
+            self._last_arrival = time.monotonic()
             self._cv.notify_all()
         while True:
             with self._cv:
@@ -149,11 +156,13 @@ class EmbeddedEngine:
                     self._cv.wait()
                 if all(t.done for t in tickets):
                     break
-                # nobody decodes and groups wait: this call runs the next round, after
-                # a short window in which calls sent together can still join it
+                # nobody decodes and groups wait: this call runs the next round, once
+                # the calls sent together have joined it (a quiet gather_s, bounded)
                 self._leading = True
-                deadline = time.monotonic() + self.gather_s
-                while (rest := deadline - time.monotonic()) > 0:
+                latest = time.monotonic() + _GATHER_LIMIT * self.gather_s
+                while (
+                    rest := min(self._last_arrival + self.gather_s, latest) - time.monotonic()
+                ) > 0:
                     self._cv.wait(timeout=rest)
                 round_ = self._take_round()
                 self.rounds += 1
@@ -248,7 +257,7 @@ class EmbeddedEngine:
         self._step_t0 = time.perf_counter()
 
     def set_gather_window(self, seconds: float) -> None:
-        """How long a new round waits for more calls to join it (default 5 ms)."""
+        """How long a new round waits for another call to join it (default 50 ms)."""
         self.gather_s = float(seconds)
 
     def set_step_delay(self, seconds: float) -> None:
