@@ -114,7 +114,18 @@ def main() -> None:
         print(
             f"{mode:<11} {chunks:>11.2f} {step_s:>8.3f} {wait_s:>8.3f} {idle:>6.1%} {reward:>7.3f}"
         )
-    phases = ("wait", "switch", "value", "logprob", "backward", "update", "refit", "critic")
+    # generation: dispatch to the last arrival (it overlaps the training phases)
+    phases = (
+        "wait",
+        "switch",
+        "value",
+        "logprob",
+        "backward",
+        "update",
+        "refit",
+        "critic",
+        "generation",
+    )
     print()
     print(f"{'mode':<11} " + " ".join(f"{p:>8}" for p in phases) + "   (mean s per step)")
     for mode, timed in rows.items():

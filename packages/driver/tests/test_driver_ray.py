@@ -114,6 +114,8 @@ def test_streaming_chunks_counters_and_outputs(
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["train/chunks"] for r in rows] == [closing[0], closing[1], closing[2]]
+    # each row times its own step's generation (dispatch to the last group's arrival)
+    assert all(r["perf/generation_s"] > 0 for r in rows)
     # one policy epoch: the old log-probs are the training forward's own, so the actor
     # runs ONE forward per sample (plus its backward), not a separate log-prob forward
     assert [r["train/actor_forwards_per_sample"] for r in rows] == [1.0, 1.0, 1.0]

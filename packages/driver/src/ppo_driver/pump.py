@@ -661,8 +661,8 @@ class TrainPump:
         switches: int,
     ) -> dict[str, Any]:
         step_s = time.perf_counter() - t_step
+        self._trace_generation(s.step)  # in this step's totals: perf/generation_s
         totals = self.trace.take_step_totals()
-        self._trace_generation(s.step)
         out: dict[str, Any] = {
             "step": s.step,
             "weight_version": self.weight_version,
