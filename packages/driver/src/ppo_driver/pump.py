@@ -526,10 +526,7 @@ class TrainPump:
         """Run the transitions the plan puts before ``phases`` (normally none: calls carry
         them). ``wait=False``: queued (e.g. the actor's sleep and the critic's wake-up
         while the pump waits for the next chunk); the next worker call waits for them."""
-        for t in self.planner.before(*phases):
-            self._queue(t, step)
-        if wait:
-            self._settle()
+        self._execute(self.planner.before(*phases), step, wait=wait)
 
     def _queue(self, t: Transition, step: int) -> None:
         """Start ``t`` once every transition queued before it has finished: one model's
@@ -539,10 +536,12 @@ class TrainPump:
         pending = self.groups[t.role].submit(method, parts=t.parts, after=after)
         self._queued.append(_Queued(pending, str(t), step))
 
-    def _execute(self, transitions: Sequence[Transition], step: int) -> None:
+    def _execute(self, transitions: Sequence[Transition], step: int, *, wait: bool = True) -> None:
+        """Queue ``transitions`` in order; ``wait``: and wait for everything queued."""
         for t in transitions:
             self._queue(t, step)
-        self._settle()
+        if wait:
+            self._settle()
 
     def _settle(self, done: Sequence[_Queued] | None = None) -> None:
         """Wait for queued transitions (``done``, default all; surfaces their errors)
