@@ -12,14 +12,19 @@ Profiles (``--profile``), each a list of overrides on the ``ppo-driver train`` d
   on its own device: the engine waits ``rollout.decode_delay_s`` (0.2 s) per decode
   step, so most of its time passes without taking the trainers' cores (its forwards
   still share the two CPU cores, which no real deployment does). Models of hidden
-  192 / 3 layers and responses of up to 24 tokens make a step's training (about 3.5 s
-  at the default 64 prompts x 4 samples) shorter than its generation (about 4.8 s: the
-  step's 64 groups decode as one batch, and a group is done when its longest sample
-  is). The policy's learning rate is 1e-9: the policy does not move, so both modes
-  generate the same responses step after step and their step times differ only by the
-  schedule. With the default rate the two policies drift apart within 2-3 steps (in one
-  run, mean response lengths of 19 against 5 tokens at step 3), and the step times
-  then follow the response lengths, not the pump: ``separate-learning`` runs that.
+  192 / 3 layers, 128 prompts x 4 samples per step, responses of up to 24 tokens. The
+  policy is one in training, not a fresh one: one full-batch run of 6 learning steps
+  (default learning rates) writes a checkpoint, and every measured run resumes from it
+  with the policy's learning rate at 1e-9. A fresh policy rarely samples EOS within 24
+  tokens, so most groups finish at the last decode step and there is little to stream;
+  after a few steps its lengths follow the prompts (1 to 12 letters asked for) with a
+  tail to the limit, as a real model's do. The frozen policy keeps that length
+  distribution the same in both modes, step after step, so their step times differ by
+  the schedule only. With the default rate the two policies drift apart within 2-3
+  steps (in one run, mean response lengths of 19 against 5 tokens at step 3), and the
+  step times then follow the response lengths, not the pump.
+* ``separate-learning``: ``separate`` from a fresh policy, learning at the default
+  rates (no warm-up run).
 * ``tail``: the real engine on the shared cores, responses of up to 48 tokens (the
   untrained policy's lengths spread from a few tokens to the limit). Training-bound
   here: generation hides behind critic training, and overlapped chunks compete with
@@ -33,6 +38,7 @@ Profiles (``--profile``), each a list of overrides on the ``ppo-driver train`` d
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -54,21 +60,39 @@ PROFILES: dict[str, list[str]] = {
 }
 PROFILES["separate-learning"] = [
     *PROFILES["balanced"],
+    "ppo.num_prompts_per_step=128",
     "rollout.max_new_tokens=24",
     "rollout.decode_delay_s=0.2",
 ]
 PROFILES["separate"] = [*PROFILES["separate-learning"], "policy.lr=1e-9"]
 
+WARM_STEPS: dict[str, int] = {"separate": 6}
+"""Profiles measured from a policy in training: one full-batch run of that many steps
+at the default learning rates, whose checkpoint every measured run resumes from."""
 
-def _run(mode: str, overrides: list[str], steps: int, root: Path) -> list[dict[str, Any]]:
+
+def _run(
+    mode: str, overrides: list[str], steps: int, root: Path, *, warm: Path | None = None
+) -> list[dict[str, Any]]:
+    """``steps`` steps in ``mode``; from ``warm``'s checkpoint (a copy of that run
+    directory, resumed) when given. Returns the metrics of those steps."""
+    from ppo_driver.checkpoint import checkpoint_step, find_latest
     from ppo_driver.config import load_config
     from ppo_driver.run import train
 
-    cfg, _ = load_config(None, [*overrides, f"run.num_steps={steps}", "run.checkpoint_every=0"])
+    done = 0
+    if warm is not None:
+        shutil.copytree(warm, root / mode)
+        latest = find_latest(warm / "checkpoints")
+        assert latest is not None, f"the warm-up run wrote no checkpoint in {warm}"
+        done = checkpoint_step(latest) or 0
+    cfg, _ = load_config(
+        None, [*overrides, f"run.num_steps={done + steps}", "run.checkpoint_every=0"]
+    )
     if mode == "full-batch":
         cfg.async_rl.min_groups_for_streaming_train = cfg.ppo.num_prompts_per_step
     cfg.run.progress = False
-    result = train(cfg, run_dir=root / mode, keep_ray=True)
+    result = train(cfg, run_dir=root / mode, keep_ray=True, resume=warm is not None)
     return result.metrics
 
 
@@ -83,8 +107,16 @@ def main() -> None:
         help="runs per mode, interleaved (S F, then F S, ...) so that drifting machine "
         "load hits both modes alike",
     )
+    parser.add_argument(
+        "--warm-steps",
+        type=int,
+        default=None,
+        help="learning steps (full-batch, default learning rates) of one run that every "
+        "measured run resumes from; default: the profile's (separate: 6), else 0",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    warm_steps = WARM_STEPS.get(args.profile, 0) if args.warm_steps is None else args.warm_steps
 
     from ppo_placement import shutdown_local_ray, start_local_ray
 
@@ -93,15 +125,25 @@ def main() -> None:
     rows: dict[str, list[dict[str, Any]]] = {"streaming": [], "full-batch": []}
     overrides = [*PROFILES[args.profile], *args.overrides]
     with tempfile.TemporaryDirectory() as tmp:
+        warm = None
+        if warm_steps > 0:  # the learning rates of the defaults, not the profile's
+            from ppo_driver.config import load_config
+
+            defaults, _ = load_config(None, [])
+            lrs = [f"{role}.lr={defaults.model(role).lr}" for role in ("policy", "critic")]
+            _run("full-batch", [*overrides, *lrs], warm_steps, Path(tmp) / "warm")
+            warm = Path(tmp) / "warm" / "full-batch"
         for r in range(args.rounds):
             order = ("streaming", "full-batch") if r % 2 == 0 else ("full-batch", "streaming")
             for mode in order:
-                metrics = _run(mode, overrides, args.steps, Path(tmp) / f"round{r}")
+                metrics = _run(mode, overrides, args.steps, Path(tmp) / f"round{r}", warm=warm)
                 rows[mode].extend(metrics[1:] or metrics)  # the first step warms up
     shutdown_local_ray()
 
     print()
     print(f"profile {args.profile}: {' '.join(overrides) or 'defaults'}")
+    if warm_steps:
+        print(f"measured from the checkpoint of {warm_steps} full-batch learning step(s)")
     print(f"{'mode':<11} {'chunks/step':>11} {'step_s':>8} {'wait_s':>8} {'idle':>6} {'reward':>7}")
     summary: dict[str, float] = {}
     for mode, timed in rows.items():
