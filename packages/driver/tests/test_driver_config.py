@@ -87,6 +87,7 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
         ),
         pytest.param(["ppo.loss_agg=mean"], "ppo.loss_agg", "'token', 'sample'", id="loss-agg"),
         pytest.param(["oops"], "oops", "section.key=value", id="bad-override"),
+        pytest.param(["my.yaml"], "--config", "pass it as --config my.yaml", id="file-as-override"),
     ],
 )
 def test_each_invalid_config_names_key_value_and_fix(

@@ -109,7 +109,7 @@ def test_sleeping_cpu_worker_gives_its_memory_back_to_the_os(spill_to: str) -> N
 
 _CUDA_CHILD = textwrap.dedent(
     """
-    import sys
+    import contextlib, sys
     import torch
     from torch import nn
     from ppo_lifecycle import KEEP_GRADIENTS, OffloadManager, Part, TorchMemorySaverBackend
@@ -118,7 +118,13 @@ _CUDA_CHILD = textwrap.dedent(
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
     # 256 MiB of fp32 parameters, 512 MiB of Adam moments.
-    if backend_name == "torch_memory_saver":
+    # torch_memory_saver_moved: everything allocated outside the regions (as a trainer
+    # does); the first sleep moves it in and must free the old blocks too.
+    moved = backend_name == "torch_memory_saver_moved"
+    if moved:
+        backend = TorchMemorySaverBackend(device, name="actor")
+        model = nn.Linear(8192, 8192, bias=False, device=device)
+    elif backend_name == "torch_memory_saver":
         backend = TorchMemorySaverBackend(device, name="actor")
         with backend.region(Part.PARAMETERS):
             model = nn.Linear(8192, 8192, bias=False, device=device)
@@ -133,7 +139,7 @@ _CUDA_CHILD = textwrap.dedent(
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
     model(x).square().mean().backward()
-    with manager.allocation_region(Part.OPTIMIZER):
+    with contextlib.nullcontext() if moved else manager.allocation_region(Part.OPTIMIZER):
         opt.step()
     model(x).square().mean().backward()
     del x
@@ -157,10 +163,10 @@ _CUDA_CHILD = textwrap.dedent(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["host_copy", "torch_memory_saver"])
+@pytest.mark.parametrize("backend", ["host_copy", "torch_memory_saver", "torch_memory_saver_moved"])
 def test_another_process_can_allocate_what_a_sleeping_worker_freed(backend: str) -> None:
     """The actor process sleeps; this process (the critic) then allocates what it freed."""
-    if backend == "torch_memory_saver":
+    if backend.startswith("torch_memory_saver"):
         pytest.importorskip("torch_memory_saver")
     torch.cuda.mem_get_info(0)  # this process's context exists before measuring
     with tempfile.TemporaryFile(mode="w+") as errors:

@@ -387,6 +387,17 @@ def apply_overrides(
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-")
+        if not sep and item.lower().endswith((".yaml", ".yml")):
+            problems.append(
+                ConfigProblem(
+                    key="--config",
+                    value=item,
+                    message="a config file given as an override (overrides look like "
+                    "section.key=value)",
+                    fix=f"pass it as --config {item}",
+                )
+            )
+            continue
         if not sep or not key or any(not p for p in key.split(".")):
             problems.append(
                 ConfigProblem(

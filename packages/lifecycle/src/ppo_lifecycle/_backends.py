@@ -75,6 +75,12 @@ def _malloc_trim() -> Any:
     return trim
 
 
+def device_free_bytes(device: torch.device) -> int:
+    """Bytes free on CUDA ``device`` for any process (``cudaMemGetInfo``)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 def release_device_memory(device: torch.device) -> None:
     """Hand memory that the process freed on ``device`` back to whoever can use it.
 
@@ -626,6 +632,10 @@ def _preloaded_hooks() -> list[str]:
     return [p for p in os.environ.get("LD_PRELOAD", "").split(":") if _PRELOAD_MARK in p]
 
 
+# id(singleton) -> the hook mode this module set on it (it applies at first use)
+_set_hook_modes: dict[int, HookMode] = {}
+
+
 def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
     """Configure the singleton's hook mode (if still possible); return the mode in force.
 
@@ -636,11 +646,15 @@ def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
     impl = getattr(tms, "_impl", None)  # no public getter: reading hook_mode raises
     if impl is not None:  # already in use (this process made a region or paused before)
         active: HookMode | None = getattr(impl, "_hook_mode", None)
-        if requested is not None and active is not None and active != requested:
-            raise ValueError(
-                f"hook_mode={requested!r}: torch_memory_saver is already in use in this "
-                f"process with hook_mode={active!r}; the mode is fixed at its first use"
-            )
+    else:  # set by an earlier backend, applied at the singleton's first use
+        active = _set_hook_modes.get(id(tms))
+    if active is not None and requested is not None and active != requested:
+        raise ValueError(
+            f"hook_mode={requested!r}: torch_memory_saver in this process already has "
+            f"hook_mode={active!r} (in use, or set by an earlier backend); the mode is "
+            "fixed at its first use: give every backend the same one"
+        )
+    if impl is not None or active is not None:
         return active or requested or "torch"
     mode: HookMode = requested or ("preload" if _preloaded_hooks() else "torch")
     if mode == "preload" and len(_preloaded_hooks()) != 1:
@@ -651,6 +665,7 @@ def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
             f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}. Or use hook_mode='torch'"
         )
     tms.hook_mode = mode
+    _set_hook_modes[id(tms)] = mode
     return mode
 
 
@@ -690,9 +705,22 @@ class TorchMemorySaverBackend:
     enable_cpu_backup=...)``. A trainer can allocate directly in the right region
     with :meth:`region` (no copy at the first sleep); anything found outside is
     moved into its part's region once, at the first sleep that offloads it (the
-    tensor objects are kept: ``Tensor.set_`` onto the new storage). Storages are
-    recognised by identity; one freed and replaced at the same address outside the
-    region would be missed by a pause (it stays resident, its contents intact).
+    tensor objects are kept: ``Tensor.set_`` onto the new storage). Each old block
+    is dropped as soon as its copy is made, and the caching allocator is emptied
+    every ``RELEASE_EVERY_BYTES`` moved and at the end: the move needs the model
+    plus about that much, and another process can use the old blocks right after.
+    Storages are recognised by identity and address: one freed and replaced (an
+    optimizer's ``load_state_dict``, ``zero_grad(set_to_none=True)``) is moved in
+    again at the next sleep.
+
+    ``torch_memory_saver`` ends the process (``exit(1)``, no exception) when the
+    device is out of memory for a region allocation (``torch`` hook mode) or for a
+    ``resume``. So before moving a storage into a region and before a wake-up, the
+    free device memory is checked against the bytes needed (after emptying this
+    process's cache) and a shortfall raises ``RuntimeError`` instead: the part
+    stays as it was and the call can be retried once the other process has slept.
+    The check counts the storages' bytes plus ``HEADROOM_BYTES`` (one allocator
+    segment); it can still miss when the allocator rounds many small storages up.
 
     A region only captures allocations made by the thread that entered it (it is a
     ``torch.cuda.use_mem_pool`` plus a thread-local switch). ``backward()`` runs the
@@ -723,6 +751,8 @@ class TorchMemorySaverBackend:
     """
 
     name = "torch_memory_saver"
+    RELEASE_EVERY_BYTES: ClassVar[int] = 256 << 20
+    HEADROOM_BYTES: ClassVar[int] = 20 << 20  # torch's segment for 1-10 MiB blocks
     _live: ClassVar[weakref.WeakValueDictionary[str, TorchMemorySaverBackend]] = (
         weakref.WeakValueDictionary()
     )
@@ -765,7 +795,9 @@ class TorchMemorySaverBackend:
         self.device = device
         self.prefix = name
         self.cpu_backup_parts = cpu_backup_parts
-        self._adopted: dict[Part, set[int]] = {part: set() for part in Part}
+        # storages known to be in a part's region: key -> address (a freed storage's key
+        # can be reused by a new one, in the default pool: its address tells them apart)
+        self._adopted: dict[Part, dict[int, int]] = {part: {} for part in Part}
         # adopted on the caller's word, not yet checked against the allocator's pools
         # (once checked, a storage keeps its address: later sleeps skip the snapshot)
         self._unchecked: dict[Part, set[int]] = {part: set() for part in Part}
@@ -787,7 +819,6 @@ class TorchMemorySaverBackend:
     def adopt(self, part: Part, keys: set[int]) -> None:
         """Record storage keys allocated inside ``part``'s region (checked at the first
         sleep that finds them)."""
-        self._adopted[part].update(keys)
         self._unchecked[part].update(keys)
 
     def adopt_tensors(self, part: Part, tensors: Iterable[torch.Tensor]) -> None:
@@ -795,18 +826,49 @@ class TorchMemorySaverBackend:
         self.adopt(part, {t.untyped_storage()._cdata for t in tensors})
 
     def _outside_regions(self, part: Part, groups: Sequence[StorageGroup]) -> set[int]:
-        """Keys of adopted, not yet checked storages in ``groups`` that lie in no private
-        pool; the others of them are marked checked."""
-        adopted = [g for g in groups if g.key in self._unchecked[part] and g.nbytes > 0]
-        if not adopted:
+        """Check the adopted, not yet checked storages in ``groups``: those in a private
+        pool are recorded as in the region (by address); returns the keys of the others."""
+        unchecked = [g for g in groups if g.key in self._unchecked[part] and g.nbytes > 0]
+        if not unchecked:
             return set()
-        self._unchecked[part] -= {g.key for g in adopted}
+        self._unchecked[part] -= {g.key for g in unchecked}
         ranges = _private_pool_ranges(self.device)
-        if ranges is None:
-            return set()
-        return {
-            g.key for g in adopted if not any(lo <= g.storage.data_ptr() < hi for lo, hi in ranges)
-        }
+        stray: set[int] = set()
+        for group in unchecked:
+            ptr = group.storage.data_ptr()
+            if ranges is None or any(lo <= ptr < hi for lo, hi in ranges):
+                self._adopted[part][group.key] = ptr
+            else:
+                stray.add(group.key)
+        return stray
+
+    def _in_region(self, part: Part, group: StorageGroup) -> bool:
+        """Whether ``group``'s storage is one recorded in ``part``'s region (same key
+        and address; a recorded key at another address is a new storage)."""
+        ptr = self._adopted[part].get(group.key)
+        if ptr is None:
+            return False
+        if ptr == group.storage.data_ptr():
+            return True
+        del self._adopted[part][group.key]  # that storage was freed; its key was reused
+        return False
+
+    def _require_free(self, nbytes: int, what: str) -> None:
+        """Raise instead of letting ``torch_memory_saver`` end the process when the
+        device cannot hold ``nbytes`` more (this process's cache emptied first)."""
+        nbytes += self.HEADROOM_BYTES
+        free = device_free_bytes(self.device)
+        if free >= nbytes:
+            return
+        release_device_memory(self.device)
+        free = device_free_bytes(self.device)
+        if free < nbytes:
+            raise RuntimeError(
+                f"{self.prefix}: {what} needs {nbytes} bytes on {self.device} and "
+                f"{free} are free (another process still holds them?); nothing was "
+                "moved: put the other model to sleep first, then retry (torch_memory_saver "
+                "would end the process on this out-of-memory)"
+            )
 
     def offload(self, part: Part, groups: Sequence[StorageGroup]) -> int:
         """Move storages not yet in ``part``'s region into it, then pause the tag."""
@@ -826,30 +888,37 @@ class TorchMemorySaverBackend:
                 len(stray),
                 part.value,
             )
-            self._adopted[part] -= stray
         released: list[tuple[int, int]] = []
+        moved = 0
         for group in groups:
-            if group.key in self._adopted[part]:
+            if self._in_region(part, group):
                 released.append((group.key, group.nbytes))
                 continue
+            self._require_free(group.nbytes, f"moving a {part.value} storage into its region")
             with self.region(part):
                 fresh = torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
-            new_storage = rehome(group, fresh.untyped_storage())
-            key: int = new_storage._cdata
-            self._adopted[part].add(key)
-            released.append((key, group.nbytes))
+            # the group drops the old storage: no reference is left, its block is freed
+            group.storage = rehome(group, fresh.untyped_storage())
+            self._adopted[part][group.key] = group.storage.data_ptr()
+            released.append((group.key, group.nbytes))
+            moved += group.nbytes
+            if moved >= self.RELEASE_EVERY_BYTES:  # the old blocks, to the device
+                release_device_memory(self.device)
+                moved = 0
         torch.cuda.synchronize(self.device)
         self._tms.pause(tag)
         self._paused_tags.add(tag)
         self._paused[part] = released
-        # The pause gave the region's memory back to the device; storages moved into
-        # the region just now left their old blocks in the caching allocator.
+        # The pause gave the region's memory back to the device; the old blocks of the
+        # storages moved into the region just now are freed blocks of the caching
+        # allocator until it is emptied.
         release_device_memory(self.device)
         return sum(n for _, n in released)
 
     def reload(self, part: Part) -> int:
         assert part in self._paused, f"{part} resumed without being paused"
         tag = self.tag(part)
+        self._require_free(sum(n for _, n in self._paused[part]), f"waking {part.value}")
         self._tms.resume(tag)
         self._paused_tags.discard(tag)
         torch.cuda.synchronize(self.device)

@@ -163,10 +163,20 @@ class OffloadManager:
         With ``torch_memory_saver``, storages that appear inside the block become
         part of the part's pausable region (no copy at the first sleep). With the
         host-copy backend this does nothing.
+
+        Raises:
+            RuntimeError: ``torch_memory_saver`` and ``part`` is asleep (a paused
+                region cannot take allocations: wake it up first).
         """
         if not isinstance(self.backend, TorchMemorySaverBackend):
             yield
             return
+        if part in self._asleep:
+            raise RuntimeError(
+                f"{self.name}: allocation_region({part.value!r}) while {part.value} is "
+                f"asleep (its torch_memory_saver region is paused); call "
+                f"wake_up(parts=[Part.{part.name}]) first"
+            )
         before = self._keys(part)
         with self.backend.region(part):
             yield
@@ -211,17 +221,18 @@ class OffloadManager:
         if self._groups_live and self._on_release is not None:
             self._on_release()
         self._groups_live = False
+        # before anything moves: a backend may give a storage a new identity
         owner = {g.key: part for part in todo for g in groups[part]}
-        for part in PART_ORDER:
-            if part not in todo:
-                continue
-            self._offloaded_bytes[part] = self.backend.offload(part, groups[part])
-            self._asleep.add(part)
         for part, part_tensors in tensors.items():
             for t in part_tensors:
                 holder = owner.get(t.untyped_storage()._cdata)
                 if holder is not None and holder is not part:
                     self._held_by.setdefault(part, set()).add(holder)
+        for part in PART_ORDER:
+            if part not in todo:
+                continue
+            self._offloaded_bytes[part] = self.backend.offload(part, groups[part])
+            self._asleep.add(part)
         logger.info(
             "%s: asleep: %s (%d bytes), resident: %s",
             self.name,

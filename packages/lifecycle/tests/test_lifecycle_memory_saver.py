@@ -1,0 +1,204 @@
+"""The torch_memory_saver backend's own logic, on CPU with a stand-in for the library.
+
+The library needs CUDA (its regions are CUDA memory pools), so here a stand-in records
+the calls and the device hooks are replaced; ``test_lifecycle_gpu.py`` and the
+cross-process test in ``test_lifecycle_memory.py`` run the real library on a GPU.
+What is checked here is what this package decides: which storages move into a region
+and when their old blocks are freed, what counts as already in a region, and when to
+refuse instead of letting the library end the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+from lifecycle_models import assert_bit_exact, make, snapshot, train_step
+from ppo_lifecycle import (
+    ALL_PARTS,
+    FORWARD_PARTS,
+    OffloadManager,
+    Part,
+    TorchMemorySaverBackend,
+    _backends,
+)
+
+
+class _StandIn:
+    """Records ``region`` / ``pause`` / ``resume``; the hook mode is write-only upstream."""
+
+    def __init__(self) -> None:
+        self._impl = None
+        self.calls: list[tuple[str, str]] = []
+        self.modes: list[str] = []
+
+    @property
+    def hook_mode(self) -> str:
+        raise AttributeError("write-only, as upstream")
+
+    @hook_mode.setter
+    def hook_mode(self, mode: str) -> None:
+        self.modes.append(mode)
+
+    @contextlib.contextmanager
+    def region(self, tag: str, enable_cpu_backup: bool) -> Iterator[None]:
+        assert enable_cpu_backup
+        self.calls.append(("region", tag))
+        yield
+
+    def pause(self, tag: str) -> None:
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag: str) -> None:
+        self.calls.append(("resume", tag))
+
+
+class _Device:
+    """The device hooks: free bytes as set by the test, and each cache release with
+    how many of the watched (pre-move) storages were still alive at that moment."""
+
+    def __init__(self) -> None:
+        self.free = 1 << 40
+        self.watched: list[int] = []
+        self.alive_at_release: list[int] = []
+
+    def release(self, device: torch.device) -> None:
+        self.alive_at_release.append(
+            sum(not torch.UntypedStorage._expired(h) for h in self.watched)  # type: ignore[attr-defined]
+        )
+
+
+@pytest.fixture
+def saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_StandIn, _Device]]:
+    tms = _StandIn()
+    device = _Device()
+    monkeypatch.setitem(
+        sys.modules,
+        "torch_memory_saver",
+        types.SimpleNamespace(torch_memory_saver=tms),
+    )
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda _d=None: None)
+    monkeypatch.setattr(_backends, "device_free_bytes", lambda _d: device.free)
+    monkeypatch.setattr(_backends, "release_device_memory", device.release)
+    monkeypatch.setattr(_backends, "_private_pool_ranges", lambda _d: None)
+    yield tms, device
+    for handle in device.watched:
+        torch.UntypedStorage._free_weak_ref(handle)  # type: ignore[attr-defined]
+
+
+def _manager(name: str) -> tuple[OffloadManager, torch.nn.Module, torch.optim.Adam]:
+    model, opt = make()
+    train_step(model, opt, seed=1)  # Adam state exists
+    backend = TorchMemorySaverBackend(torch.device("cuda", 0), name=name)
+    backend.device = torch.device("cpu")  # the stand-in's "CUDA" memory is host memory
+    return OffloadManager(model, opt, backend=backend, keep_gradients=False), model, opt
+
+
+def _storages(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.UntypedStorage]:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    unique = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+    return list(unique.values())
+
+
+def test_first_sleep_frees_each_old_block_as_it_goes(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tms, device = saver
+    manager, model, opt = _manager("tms-free")
+    before = snapshot(model, opt)
+    old = _storages(model, opt)
+    device.watched = [s._weak_ref() for s in old]  # type: ignore[attr-defined]
+    # empty the cache after every ~2 storages moved: the releases come before the end
+    monkeypatch.setattr(TorchMemorySaverBackend, "RELEASE_EVERY_BYTES", 2 * 16 * 16 * 4)
+    del old
+    manager.sleep()
+    alive = device.alive_at_release
+    assert len(alive) >= 3, alive
+    # an old block is freed as soon as its copy is in the region: each release sees
+    # fewer of them alive, the first already fewer than all, the last none
+    assert alive == sorted(alive, reverse=True), alive
+    assert alive[0] < len(device.watched) and alive[-1] == 0, alive
+    paused = [tag for call, tag in tms.calls if call == "pause"]
+    assert sorted(paused) == sorted(f"tms-free/{p.value}" for p in Part)
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_replaced_storage_is_moved_into_the_region_again(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, model, opt = _manager("tms-replaced")
+    in_region: set[int] = set()
+    rehome = _backends.rehome
+
+    def recording_rehome(group: object, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
+        in_region.add(fresh.data_ptr())
+        return rehome(group, fresh)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_backends, "rehome", recording_rehome)
+    manager.sleep()
+    manager.wake_up()
+    # replace every optimizer-state storage (as load_state_dict does): the old ones are
+    # freed, and Python often hands their keys to the new ones
+    for state in opt.state.values():
+        for k, v in list(state.items()):
+            state[k] = v.clone()
+    expected = snapshot(model, opt)
+    manager.sleep()
+    for storage in _storages(model, opt):
+        assert storage.data_ptr() in in_region, "a storage outside the region was paused"
+    manager.wake_up()
+    assert_bit_exact(expected, snapshot(model, opt))
+
+
+def test_no_room_raises_instead_of_ending_the_process_and_can_be_retried(
+    saver: tuple[_StandIn, _Device],
+) -> None:
+    tms, device = saver
+    manager, model, opt = _manager("tms-room")
+    before = snapshot(model, opt)
+    device.free = 0
+    with pytest.raises(RuntimeError, match="put the other model to sleep first"):
+        manager.sleep()
+    assert not manager.is_asleep and not [c for c in tms.calls if c[0] == "pause"]
+    device.free = 1 << 40
+    manager.sleep()
+    assert manager.asleep_parts == ALL_PARTS
+    device.free = 0
+    with pytest.raises(RuntimeError, match="waking"):
+        manager.wake_up(parts=FORWARD_PARTS)
+    assert manager.asleep_parts == ALL_PARTS
+    assert not [c for c in tms.calls if c[0] == "resume"]
+    device.free = 1 << 40
+    manager.wake_up()
+    assert not manager.is_asleep
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_allocation_region_refuses_a_sleeping_part(saver: tuple[_StandIn, _Device]) -> None:
+    manager, _, _ = _manager("tms-region")
+    manager.sleep()
+    refused = pytest.raises(RuntimeError, match=r"wake_up\(parts=\[Part.OPTIMIZER\]\) first")
+    with refused, manager.allocation_region(Part.OPTIMIZER):
+        pass
+    manager.wake_up()
+    with manager.allocation_region(Part.OPTIMIZER):
+        pass
+
+
+def test_a_second_backend_cannot_change_the_hook_mode_before_first_use(
+    saver: tuple[_StandIn, _Device],
+) -> None:
+    tms, _ = saver
+    first = TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-a", hook_mode="torch")
+    assert first.hook_mode == "torch" and tms.modes == ["torch"]
+    with pytest.raises(ValueError, match="already has hook_mode='torch'"):
+        TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-b", hook_mode="preload")
+    second = TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-c")
+    assert second.hook_mode == "torch" and tms.modes == ["torch"]
