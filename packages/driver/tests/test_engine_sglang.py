@@ -59,12 +59,17 @@ def test_parse_sglang_output_stop_and_length() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_sglang
 def test_sglang_engine_generates_refits_and_sleeps(tmp_path: Path) -> None:
+    """Generation reflects the weights sglang really holds: greedy logprobs survive a
+    release + resume with no refit (critic warm-up), change after a refit while
+    released (the colocated policy step) to what a torch forward of the new weights
+    gives, and come back after a refit to the first weights."""
     from ppo_driver.rollout import CharTokenizer, GroupRequest, SamplingParams, SglangEngine
     from ppo_trainer import ModelSpec, build_causal_lm, save_hf_checkpoint
 
     tok = CharTokenizer()
     spec = ModelSpec(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2)
-    weights = build_causal_lm(spec).state_dict()
+    model = build_causal_lm(spec)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save_hf_checkpoint(weights=weights, spec=spec, path=tmp_path / "m")
     engine = SglangEngine(
         model_path=str(tmp_path / "m"),
@@ -72,18 +77,49 @@ def test_sglang_engine_generates_refits_and_sleeps(tmp_path: Path) -> None:
         skip_tokenizer_init=True,
         mem_fraction_static=0.2,
     )
-    try:
-        params = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(tok.eos_id,))
-        req = GroupRequest(prompt_index=0, prompt_ids=tuple(tok.encode("a3:")), params=params)
+    prompt = tuple(tok.encode("a3:"))
+    greedy = SamplingParams(n=1, max_new_tokens=8, temperature=0.0, stop_token_ids=(tok.eos_id,))
+    req = GroupRequest(prompt_index=0, prompt_ids=prompt, params=greedy)
+
+    def run() -> tuple[int, tuple[int, ...], torch.Tensor]:
         (out,) = engine.generate([req])
-        assert len(out.samples) == 2 and out.weight_version == 0
-        assert all(len(s.token_ids) == len(s.logprobs) >= 1 for s in out.samples)
+        (sample,) = out.samples
+        assert len(sample.token_ids) == len(sample.logprobs) >= 1
+        return out.weight_version, sample.token_ids, torch.tensor(sample.logprobs)
+
+    def colocated_step(refit: dict[str, torch.Tensor] | None, version: int) -> None:
+        engine.pause_generation()
         engine.release_memory()
+        if refit is not None:
+            assert engine._apply(version, {k: v.cuda() for k, v in refit.items()}) == version
         engine.resume_memory()
-        new = {k: (v + 0.01).cuda() for k, v in weights.items()}
-        assert engine._apply(1, new) == 1
-        (out1,) = engine.generate([req])
-        assert out1.weight_version == 1
+        engine.continue_generation()
+
+    try:
+        sampled = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(tok.eos_id,))
+        (out,) = engine.generate([GroupRequest(prompt_index=1, prompt_ids=prompt, params=sampled)])
+        assert len(out.samples) == 2 and out.weight_version == 0
+        v0, t0, l0 = run()
+        assert v0 == 0
+        colocated_step(None, 0)  # weights kept by the CPU backup
+        _, t, lp = run()
+        assert t == t0 and torch.allclose(lp, l0, atol=1e-3), (lp, l0)
+        # far from the first weights: a sharp output layer
+        other = {k: v * 40 if k.startswith("lm_head") else v for k, v in weights.items()}
+        colocated_step(other, 1)
+        v1, t1, l1 = run()
+        assert v1 == 1
+        model.load_state_dict(other)
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt) + list(t1)])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(t1)[:, None])[:, 0]
+        n = min(len(t1), len(l1))
+        assert torch.allclose(l1[:n], ref[:n], atol=0.05), (l1, ref)  # sglang holds `other`
+        assert t1 != t0 or not torch.allclose(l1, l0, atol=0.05)
+        assert engine._apply(2, {k: v.cuda() for k, v in weights.items()}) == 2
+        v2, t2, l2 = run()
+        assert v2 == 2 and t2 == t0 and torch.allclose(l2, l0, atol=1e-3), (l2, l0)
     finally:
         engine.shutdown()
 
@@ -350,7 +386,7 @@ def test_refit_protocol_hands_the_weights_to_sglang(fake_sglang: None) -> None:
         assert receive.result(timeout=60) == 4
     assert engine.health().weight_version == 4
     (update,) = engine.engine.updates
-    assert set(update) == set(weights)
+    assert set(update) == set(weights) and _holds(engine.engine, weights)  # loaded, too
     for name, tensor in weights.items():
         assert torch.equal(update[name], tensor)
     engine.close_refit_group(group_name="g")
