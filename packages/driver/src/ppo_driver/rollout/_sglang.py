@@ -124,10 +124,10 @@ def parse_sglang_output(out: Mapping[str, Any]) -> SampleOutput:
     kind = finish.get("type") if isinstance(finish, Mapping) else str(finish)
     matched = finish.get("matched") if isinstance(finish, Mapping) else None
     if kind not in ("stop", "length") or isinstance(matched, str):
-        detail = finish.get("message") if isinstance(finish, Mapping) else None
+        shown = dict(finish) if isinstance(finish, Mapping) else finish
         raise SglangGenerationError(
-            f"sglang did not finish a sample: finish_reason={dict(finish) if isinstance(finish, Mapping) else finish!r}"
-            f"{f' ({detail})' if detail else ''} after {len(tokens)} token(s). An abort "
+            f"sglang did not finish a sample: finish_reason={shown!r} after "
+            f"{len(tokens)} token(s). An abort "
             "comes from sglang itself (out of memory, a request it refused, a shutdown); "
             "a stop on a matched string means NaN logits (weights that were never loaded, "
             "or diverged): see the engine's sglang log"
@@ -182,7 +182,8 @@ class SglangEngine:
     garbage after ``resume_memory`` until the next refit. The backup is on by default
     wherever the memory saver is, because it is the cheaper side of the trade: it costs
     host memory for one copy of the weights and a device<->host copy of them at each
-    release and resume (PCIe, well under a second for a small model), while the other
+    release and resume (PCIe, well under a second for a small model; a refit while
+    released also copies the old weights back before overwriting them), while the other
     way, a refit after every resume, would resend the whole policy from the trainer
     (over gloo and host memory when colocated) also on steps that trained no policy
     (``ppo.critic_warmup_steps``). Turn it off to save the host memory; the engine
@@ -197,8 +198,10 @@ class SglangEngine:
     tiny model, and every trainer model the driver builds: its dtype is float32) in
     float16, so engine logprobs are float16 numbers against the trainer's float32
     ones (the importance ratios of the first PPO epoch start slightly off 1). A half
-    precision trainer dtype is passed on; float32 is not, because sglang's attention
-    kernels are half precision (an ``engine_kwargs`` ``dtype`` overrides it either way).
+    precision trainer dtype is passed on; float32 is not: sglang's default attention
+    backends on CUDA (FlashInfer, FlashAttention) are built for half precision, and
+    serving float32 has not been tried here. ``engine_kwargs`` ``dtype`` overrides this
+    either way (``float32`` for parity, with an attention backend that supports it).
     """
 
     def __init__(
