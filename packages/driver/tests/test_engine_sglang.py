@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -59,12 +59,17 @@ def test_parse_sglang_output_stop_and_length() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_sglang
 def test_sglang_engine_generates_refits_and_sleeps(tmp_path: Path) -> None:
+    """Generation reflects the weights sglang really holds: greedy logprobs survive a
+    release + resume with no refit (critic warm-up), change after a refit while
+    released (the colocated policy step) to what a torch forward of the new weights
+    gives, and come back after a refit to the first weights."""
     from ppo_driver.rollout import CharTokenizer, GroupRequest, SamplingParams, SglangEngine
     from ppo_trainer import ModelSpec, build_causal_lm, save_hf_checkpoint
 
     tok = CharTokenizer()
     spec = ModelSpec(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2)
-    weights = build_causal_lm(spec).state_dict()
+    model = build_causal_lm(spec)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save_hf_checkpoint(weights=weights, spec=spec, path=tmp_path / "m")
     engine = SglangEngine(
         model_path=str(tmp_path / "m"),
@@ -72,18 +77,49 @@ def test_sglang_engine_generates_refits_and_sleeps(tmp_path: Path) -> None:
         skip_tokenizer_init=True,
         mem_fraction_static=0.2,
     )
-    try:
-        params = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(tok.eos_id,))
-        req = GroupRequest(prompt_index=0, prompt_ids=tuple(tok.encode("a3:")), params=params)
+    prompt = tuple(tok.encode("a3:"))
+    greedy = SamplingParams(n=1, max_new_tokens=8, temperature=0.0, stop_token_ids=(tok.eos_id,))
+    req = GroupRequest(prompt_index=0, prompt_ids=prompt, params=greedy)
+
+    def run() -> tuple[int, tuple[int, ...], torch.Tensor]:
         (out,) = engine.generate([req])
-        assert len(out.samples) == 2 and out.weight_version == 0
-        assert all(len(s.token_ids) == len(s.logprobs) >= 1 for s in out.samples)
+        (sample,) = out.samples
+        assert len(sample.token_ids) == len(sample.logprobs) >= 1
+        return out.weight_version, sample.token_ids, torch.tensor(sample.logprobs)
+
+    def colocated_step(refit: dict[str, torch.Tensor] | None, version: int) -> None:
+        engine.pause_generation()
         engine.release_memory()
+        if refit is not None:
+            assert engine._apply(version, {k: v.cuda() for k, v in refit.items()}) == version
         engine.resume_memory()
-        new = {k: (v + 0.01).cuda() for k, v in weights.items()}
-        assert engine._apply(1, new) == 1
-        (out1,) = engine.generate([req])
-        assert out1.weight_version == 1
+        engine.continue_generation()
+
+    try:
+        sampled = SamplingParams(n=2, max_new_tokens=8, stop_token_ids=(tok.eos_id,))
+        (out,) = engine.generate([GroupRequest(prompt_index=1, prompt_ids=prompt, params=sampled)])
+        assert len(out.samples) == 2 and out.weight_version == 0
+        v0, t0, l0 = run()
+        assert v0 == 0
+        colocated_step(None, 0)  # weights kept by the CPU backup
+        _, t, lp = run()
+        assert t == t0 and torch.allclose(lp, l0, atol=1e-3), (lp, l0)
+        # far from the first weights: a sharp output layer
+        other = {k: v * 40 if k.startswith("lm_head") else v for k, v in weights.items()}
+        colocated_step(other, 1)
+        v1, t1, l1 = run()
+        assert v1 == 1
+        model.load_state_dict(other)
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt) + list(t1)])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        ref = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(t1)[:, None])[:, 0]
+        n = min(len(t1), len(l1))
+        assert torch.allclose(l1[:n], ref[:n], atol=0.05), (l1, ref)  # sglang holds `other`
+        assert t1 != t0 or not torch.allclose(l1, l0, atol=0.05)
+        assert engine._apply(2, {k: v.cuda() for k, v in weights.items()}) == 2
+        v2, t2, l2 = run()
+        assert v2 == 2 and t2 == t0 and torch.allclose(l2, l0, atol=1e-3), (l2, l0)
     finally:
         engine.shutdown()
 
@@ -121,16 +157,88 @@ def test_nccl_refit_into_embedded_engine_on_gpu() -> None:
 # -- the engine over a stand-in for sglang.Engine (CPU): threads, arguments, refit ----------
 
 
+_ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
 class _FakeSglEngine:
-    """Records what ``SglangEngine`` asks of ``sglang.Engine`` and on which thread."""
+    """Records what ``SglangEngine`` asks of ``sglang.Engine`` and on which thread, and
+    behaves like sglang 0.5.23's ``Engine`` where the driver depends on it:
+
+    - ``update_weights_from_tensor`` / ``_from_distributed`` load only between
+      ``begin_weight_update()`` and ``end_weight_update()``, and report a refusal as
+      ``(False, message)`` (no exception); ``update_weights_from_disk`` needs no session
+      and returns ``(success, message, num_paused_requests)``;
+    - ``release_memory_occupation(tags=None)`` releases all three tags; releasing the
+      weights without ``enable_weights_cpu_backup`` loses their contents; resuming a tag
+      that is not released raises (sglang's ``offload_tags.remove``); a weight update
+      into released weights memory is an illegal memory access (raised here);
+    - generating from lost weights gives sglang's NaN-guard finish.
+
+    ``weights``: the tensors the model holds (None: lost); ``fail_update``: a message
+    the next tensor update fails with."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.calls: list[tuple[str, int]] = [("__init__", threading.get_ident())]
         self.updates: list[dict[str, torch.Tensor]] = []
+        self.weights: dict[str, torch.Tensor] | None = {}
+        self.offloaded: set[str] = set()
+        self.session = False
+        self.fail_update: str | None = None
 
     def _mark(self, name: str) -> None:
         self.calls.append((name, threading.get_ident()))
+
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        self._mark("begin_weight_update")
+        if self.session:
+            return False, "a weight-update session is already open"
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        self._mark("end_weight_update")
+        if not self.session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = False
+        return True, "Success"
+
+    def _load(self, name: str, tensors: dict[str, torch.Tensor]) -> tuple[bool, str]:
+        if not self.session:
+            return False, f"{name} must run between begin_weight_update() and end_weight_update()"
+        if "weights" in self.offloaded:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if self.fail_update is not None:
+            message, self.fail_update = self.fail_update, None
+            return False, message
+        self.weights = {**(self.weights or {}), **tensors}
+        return True, "Success"
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str]:
+        self._mark("update_weights_from_tensor")
+        self.updates.append(dict(named_tensors))
+        return self._load("update_weights_from_tensor", dict(named_tensors))
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> tuple[bool, str]:
+        self._mark("update_weights_from_distributed")
+        tensors = {n: torch.zeros(shape) for n, shape in zip(names, shapes, strict=True)}
+        return self._load("update_weights_from_distributed", tensors)
+
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None
+    ) -> tuple[bool, str, int]:
+        self._mark("update_weights_from_disk")
+        if model_path.startswith("/missing"):
+            return False, f"Failed to get weights iterator: {model_path}", 0
+        self.weights = {"from_disk": torch.zeros(1)}
+        return True, "Succeeded to update model weights.", 0
 
     def generate(
         self,
@@ -141,7 +249,19 @@ class _FakeSglEngine:
     ) -> list[dict[str, Any]]:
         self._mark("generate")
         assert return_logprob and len(input_ids) == len(sampling_params)
+        assert not self.offloaded, f"generate with {sorted(self.offloaded)} released"
         time.sleep(0.01)
+        if self.weights is None:  # garbage weights: NaN logits
+            return [
+                {
+                    "output_ids": [2],
+                    "meta_info": {
+                        "finish_reason": {"type": "stop", "matched": "NaN happened"},
+                        "output_token_logprobs": [(float("nan"), 99, None)],
+                    },
+                }
+                for _ in input_ids
+            ]
         return [
             {
                 "output_ids": [7, 2],
@@ -153,15 +273,18 @@ class _FakeSglEngine:
             for _ in input_ids
         ]
 
-    def update_weights_from_tensor(self, *, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self._mark("update_weights_from_tensor")
-        self.updates.append(dict(named_tensors))
-
-    def release_memory_occupation(self) -> None:
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._mark("release")
+        for tag in tags or _ALL_TAGS:
+            assert tag not in self.offloaded, f"{tag} released twice"
+            self.offloaded.add(tag)
+            if tag == "weights" and not self.kwargs.get("enable_weights_cpu_backup"):
+                self.weights = None  # torch_memory_saver drops the contents
 
-    def resume_memory_occupation(self) -> None:
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._mark("resume")
+        for tag in tags or _ALL_TAGS:
+            self.offloaded.remove(tag)  # KeyError, as sglang's offload_tags.remove
 
     def shutdown(self) -> None:
         self._mark("shutdown")
@@ -191,6 +314,7 @@ def test_engine_arguments_and_one_sglang_thread(fake_sglang: None) -> None:
         "random_seed": 3,
         "skip_tokenizer_init": True,  # token ids in, token ids out
         "enable_memory_saver": True,
+        "enable_weights_cpu_backup": True,  # release keeps the weights' contents
         "log_level": "error",
         "mem_fraction_static": 0.3,
     }
@@ -262,11 +386,161 @@ def test_refit_protocol_hands_the_weights_to_sglang(fake_sglang: None) -> None:
         assert receive.result(timeout=60) == 4
     assert engine.health().weight_version == 4
     (update,) = engine.engine.updates
-    assert set(update) == set(weights)
+    assert set(update) == set(weights) and _holds(engine.engine, weights)  # loaded, too
     for name, tensor in weights.items():
         assert torch.equal(update[name], tensor)
     engine.close_refit_group(group_name="g")
     engine.shutdown()
+
+
+def _weights(value: float) -> dict[str, torch.Tensor]:
+    return {"a.weight": torch.full((2, 2), value), "b.bias": torch.full((3,), value)}
+
+
+def _holds(fake: Any, weights: dict[str, torch.Tensor]) -> bool:
+    return fake.weights is not None and all(
+        torch.equal(fake.weights[k], v) for k, v in weights.items()
+    )
+
+
+def test_refit_loads_inside_a_weight_update_session(fake_sglang: None) -> None:
+    """sglang 0.5.23 loads nothing outside begin/end_weight_update and says so only in
+    its result: the engine opens the session, and the weights really arrive."""
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    fake = engine.engine
+    assert engine._apply(1, _weights(1.0)) == 1
+    assert _holds(fake, _weights(1.0)) and not fake.session
+    names = [name for name, _ in fake.calls]
+    assert names[-3:] == ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+    assert (
+        engine.update_weights_from_distributed(
+            version=2, names=["c"], dtypes=["float32"], shapes=[[2]], group_name="g"
+        )
+        == 2
+    )
+    assert torch.equal(fake.weights["c"], torch.zeros(2)) and not fake.session
+    assert engine.update_weights_from_hf_dir("/models/new", version=3) == 3
+    assert engine.health().weight_version == 3
+    assert len({t for _, t in fake.calls}) == 1  # all on sglang's thread
+    engine.shutdown()
+
+
+def test_a_refused_weight_update_raises_and_keeps_the_version(fake_sglang: None) -> None:
+    from ppo_driver.rollout import SglangEngine, SglangWeightUpdateError
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    fake = engine.engine
+    fake.fail_update = "Unknown parameter name: x.weight"
+    with pytest.raises(SglangWeightUpdateError, match=r"update_weights_from_tensor.*x\.weight"):
+        engine._apply(1, _weights(1.0))
+    assert engine.health().weight_version == 0
+    assert not fake.session  # the session was closed on the failure too
+    with pytest.raises(RuntimeError, match=r"refused.*version 1 failed"):
+        engine.generate([_request(0)])  # possibly half-loaded weights: no samples
+    with pytest.raises(SglangWeightUpdateError, match=r"update_weights_from_disk.*missing"):
+        engine.update_weights_from_hf_dir("/missing/model", version=1)
+    assert engine.health().weight_version == 0
+    assert engine._apply(1, _weights(1.0)) == 1  # a later update succeeds: it generates
+    (out,) = engine.generate([_request(0)])
+    assert out.weight_version == 1
+    engine.shutdown()
+
+
+def test_colocated_release_refit_resume_keeps_the_latest_weights(fake_sglang: None) -> None:
+    """The colocated step: pause + release, train, (refit), resume. After every resume
+    sglang holds the latest weights: with no refit (critic warm-up) thanks to the
+    weights' CPU backup, and a refit while released first maps the weights' memory."""
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    fake = engine.engine
+    engine._apply(1, _weights(1.0))
+    # a critic warm-up step: no refit
+    engine.pause_generation()
+    engine.release_memory()
+    assert fake.offloaded == set(_ALL_TAGS) and engine.health().memory_released
+    engine.resume_memory()
+    engine.continue_generation()
+    assert not fake.offloaded and _holds(fake, _weights(1.0))
+    (out,) = engine.generate([_request(0)])
+    assert out.samples[0].finish_reason == "stop"
+    # a policy step: the refit comes while released
+    engine.pause_generation()
+    engine.release_memory()
+    assert engine._apply(2, _weights(2.0)) == 2
+    assert fake.offloaded == {"kv_cache", "cuda_graph"} and _holds(fake, _weights(2.0))
+    assert engine.health().memory_released
+    engine.resume_memory()
+    engine.continue_generation()
+    assert not fake.offloaded and _holds(fake, _weights(2.0))
+    (out,) = engine.generate([_request(0)])
+    assert out.weight_version == 2 and out.samples[0].finish_reason == "stop"
+    engine.shutdown()
+
+
+def test_released_without_weights_backup_generates_only_after_a_refit(
+    fake_sglang: None,
+) -> None:
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/m", run_seed=0, enable_weights_cpu_backup=False)
+    fake = engine.engine
+    engine.release_memory()
+    engine.resume_memory()
+    assert fake.weights is None  # sglang lost them
+    with pytest.raises(RuntimeError, match="enable_weights_cpu_backup"):
+        engine.generate([_request(0)])
+    engine.release_memory()
+    engine._apply(1, _weights(1.0))
+    engine.resume_memory()
+    (out,) = engine.generate([_request(0)])
+    assert out.weight_version == 1 and _holds(fake, _weights(1.0))
+    engine.shutdown()
+
+
+def test_engine_serves_in_a_half_precision_trainer_dtype(fake_sglang: None) -> None:
+    from ppo_driver.rollout import SglangEngine
+    from ppo_trainer import ModelSpec
+
+    def kwargs(**extra: Any) -> dict[str, Any]:
+        engine = SglangEngine(run_seed=0, **extra)
+        engine.shutdown()
+        return dict(engine.engine.kwargs)
+
+    assert kwargs(model=ModelSpec(path="/m", dtype="bfloat16"))["dtype"] == "bfloat16"
+    assert "dtype" not in kwargs(model=ModelSpec(path="/m"))  # float32: sglang's auto
+    assert kwargs(model=ModelSpec(path="/m", dtype="bfloat16"), dtype="float16")["dtype"] == (
+        "float16"
+    )
+    assert "dtype" not in kwargs(model_path="/m")
+    assert kwargs(model_path="/m", enable_memory_saver=False)["enable_weights_cpu_backup"] is False
+
+
+def test_parse_sglang_output_refuses_unfinished_samples() -> None:
+    from ppo_driver.rollout import SglangGenerationError
+
+    abort = {
+        "output_ids": [5],
+        "meta_info": {
+            "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None},
+            "output_token_logprobs": [(-0.5, 5, None)],
+        },
+    }
+    with pytest.raises(SglangGenerationError, match=r"abort.*Aborted"):
+        parse_sglang_output(abort)
+    nan = {
+        "output_ids": [2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": "NaN happened"},
+            "output_token_logprobs": [(float("nan"), 99, None)],
+        },
+    }
+    with pytest.raises(SglangGenerationError, match="NaN"):
+        parse_sglang_output(nan)
+    with pytest.raises(SglangGenerationError):
+        parse_sglang_output({"meta_info": {"output_token_logprobs": [(-1.0, 3, None)]}})
 
 
 def test_tiny_model_is_written_for_sglang(tmp_path: Path, fake_sglang: None) -> None:
@@ -366,6 +640,103 @@ def test_validate_engine_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [p.key for p in errors] == ["rollout.engine_kwargs"]  # embedded: unused
 
 
+def _fake_server_args(monkeypatch: pytest.MonkeyPatch, server_args: Any) -> None:
+    """``sglang.srt.server_args.ServerArgs`` is ``server_args`` (no sglang needed)."""
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    module = ModuleType("sglang.srt.server_args")
+    module.ServerArgs = server_args  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", module)
+
+
+def _fake_msgspec(monkeypatch: pytest.MonkeyPatch) -> type:
+    """A stand-in for msgspec (not installed here): ``Struct`` and ``structs.fields``,
+    as sglang 0.5.23's ``ServerArgs`` (a ``msgspec.defstruct``) is read."""
+    msgspec = ModuleType("msgspec")
+
+    class Struct:
+        __struct_fields__: tuple[str, ...] = ()
+
+    def fields(cls: type) -> tuple[Any, ...]:
+        if not (isinstance(cls, type) and issubclass(cls, Struct)):
+            raise TypeError("not a Struct")
+        return tuple(SimpleNamespace(name=n) for n in cls.__struct_fields__)
+
+    msgspec.Struct = Struct  # type: ignore[attr-defined]
+    msgspec.structs = SimpleNamespace(fields=fields)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "msgspec", msgspec)
+    return Struct
+
+
+def _kwargs_problems(monkeypatch: pytest.MonkeyPatch, kwargs: str) -> list[Any]:
+    from ppo_driver import config as config_mod
+
+    real = config_mod._module_available
+    monkeypatch.setattr(
+        config_mod,
+        "_module_available",
+        lambda name: True if name in ("sglang", "msgspec") else real(name),
+    )
+    return _engine_problems(
+        monkeypatch,
+        "rollout.engine=sglang",
+        f"rollout.engine_kwargs={kwargs}",
+        sglang=True,
+        cuda=True,
+    )
+
+
+def test_validate_reads_msgspec_server_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang 0.5.23's ServerArgs is a msgspec Struct, not a dataclass."""
+    struct = _fake_msgspec(monkeypatch)
+    server_args = type(
+        "ServerArgs", (struct,), {"__struct_fields__": ("model_path", "mem_fraction_static")}
+    )
+    _fake_server_args(monkeypatch, server_args)
+    assert _kwargs_problems(monkeypatch, "{mem_fraction_static: 0.3}") == []
+    (error,) = _kwargs_problems(monkeypatch, "{mem_fraction_statc: 0.3}")
+    assert error.key == "rollout.engine_kwargs.mem_fraction_statc"
+    assert "did you mean mem_fraction_static" in error.message
+
+
+def test_validate_reads_dataclass_server_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    server_args = dataclasses.make_dataclass("ServerArgs", [("mem_fraction_static", float)])
+    _fake_server_args(monkeypatch, server_args)
+    assert _kwargs_problems(monkeypatch, "{mem_fraction_static: 0.3}") == []
+    assert [p.key for p in _kwargs_problems(monkeypatch, "{bogus: 1}")] == [
+        "rollout.engine_kwargs.bogus"
+    ]
+
+
+def test_validate_never_raises_on_unknown_server_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ServerArgs of another kind: the keys go unchecked (sglang checks them)."""
+    _fake_msgspec(monkeypatch)
+    _fake_server_args(monkeypatch, type("ServerArgs", (), {}))
+    assert _kwargs_problems(monkeypatch, "{bogus: 1}") == []
+
+
+def test_validate_refuses_lost_weights_in_critic_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ("rollout.engine=sglang", "cluster.colocate=true", "ppo.critic_warmup_steps=1")
+    errors = _engine_problems(
+        monkeypatch,
+        *base,
+        "rollout.engine_kwargs={enable_weights_cpu_backup: false, mem_fraction_static: 0.3}",
+        sglang=False,  # sglang's ServerArgs not read: only the driver's own check
+        cuda=True,
+    )
+    keys = [p.key for p in errors]
+    assert "rollout.engine_kwargs.enable_weights_cpu_backup" in keys, errors
+    error = errors[keys.index("rollout.engine_kwargs.enable_weights_cpu_backup")]
+    assert "critic_warmup_steps=1" in error.message and "critic_warmup_steps=0" in error.fix
+    errors = _engine_problems(
+        monkeypatch, *base, "rollout.engine_kwargs={mem_fraction_static: 0.3}", sglang=True,
+        cuda=True,
+    )  # fmt: skip
+    assert "rollout.engine_kwargs.enable_weights_cpu_backup" not in [p.key for p in errors]
+
+
 # -- end to end through the CLI (GPU) ---------------------------------------------------------
 
 
@@ -376,12 +747,19 @@ def test_validate_engine_keys(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_trains_two_steps_with_sglang(tmp_path: Path) -> None:
     """``rollout.engine=sglang`` through the real CLI: engines on the rollout bundle
     (their own GPU, NCCL refit, streaming) or, on a one-GPU machine, colocated on the
-    training GPU (full-batch, gloo refit, sglang's memory released while training)."""
+    training GPU (full-batch, gloo refit, sglang's memory released while training).
+
+    Colocated, a critic warm-up step (release + resume, no refit) comes first, and
+    every step generates with the trainer's current weights (the refit lands before
+    the resume), so the engine/trainer KL is only the float16 serving noise; a refit
+    that did not reach sglang, or weights lost in the release, would show there."""
     gpus = torch.cuda.device_count()
     run_dir = tmp_path / "run"
+    steps, warmup = (2, 0) if gpus >= 2 else (3, 1)
     overrides = [
         "rollout.engine=sglang",
-        "run.num_steps=2",
+        f"run.num_steps={steps}",
+        f"ppo.critic_warmup_steps={warmup}",
         "run.checkpoint_every=0",
         "ppo.num_prompts_per_step=8",
         "ppo.num_generations_per_prompt=2",
@@ -414,6 +792,10 @@ def test_cli_trains_two_steps_with_sglang(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    assert [r["step"] for r in rows] == [0, 1]
-    assert all(r.get("perf/refit_bytes", 0) > 0 for r in rows)  # refits went through sglang
+    assert [r["step"] for r in rows] == list(range(steps))
+    trained = [r for r in rows if r["step"] >= warmup]
+    assert all(r.get("perf/refit_bytes", 0) > 0 for r in trained)  # refits went through sglang
     assert all(r["rollout/reward_mean"] is not None for r in rows)
+    if gpus < 2:  # full-batch: generated with the weights being trained (1e-3: a bound for
+        # float16 serving noise, far below what stale or lost weights give)
+        assert all(abs(r["rollout/kl_engine_trainer"]) < 1e-3 for r in trained), trained

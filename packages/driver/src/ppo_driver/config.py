@@ -2113,6 +2113,23 @@ def _check_engine_kwargs(r: ValidationReport, cfg: DriverConfig) -> None:
                 )
     if (
         cfg.cluster.colocate
+        and cfg.ppo.critic_warmup_steps > 0
+        and kwargs.get("enable_weights_cpu_backup", True) is False
+    ):
+        r.errors.append(
+            ConfigProblem(
+                "rollout.engine_kwargs.enable_weights_cpu_backup",
+                False,
+                "with cluster.colocate=true sglang releases its memory while training runs "
+                "and, without this backup, loses its weights; a critic warm-up step "
+                f"(ppo.critic_warmup_steps={cfg.ppo.critic_warmup_steps}) refits nothing "
+                "before generation resumes, so the engine would have no weights",
+                "remove rollout.engine_kwargs.enable_weights_cpu_backup (it defaults to true "
+                "when colocated), or set ppo.critic_warmup_steps=0",
+            )
+        )
+    if (
+        cfg.cluster.colocate
         and "mem_fraction_static" not in kwargs
         and not any(p.key == "rollout.engine" for p in r.errors)
     ):
@@ -2130,14 +2147,35 @@ def _check_engine_kwargs(r: ValidationReport, cfg: DriverConfig) -> None:
 
 
 def _sglang_server_args() -> frozenset[str] | None:
-    """The fields of sglang's ``ServerArgs`` (None when sglang does not import here)."""
+    """The fields of sglang's ``ServerArgs`` (None when sglang does not import here, or
+    when its ``ServerArgs`` is of a kind this does not know: the keys are then not
+    checked, and sglang itself refuses an unknown one at start-up).
+
+    ``ServerArgs`` was a dataclass up to sglang 0.5.x and is a msgspec ``Struct`` in
+    0.5.23 (``dataclasses.fields`` raises TypeError on it), so both are read; validate
+    never raises, so nothing here may either."""
     if not _module_available("sglang"):
         return None
     try:
         from sglang.srt.server_args import ServerArgs
     except Exception:  # a broken or CUDA-less install: the engine reports it at start-up
         return None
-    return frozenset(f.name for f in dataclasses.fields(ServerArgs))
+    return _struct_field_names(ServerArgs)
+
+
+def _struct_field_names(cls: Any) -> frozenset[str] | None:
+    """The field names of a dataclass or a msgspec ``Struct`` class, else None."""
+    try:
+        if dataclasses.is_dataclass(cls):
+            return frozenset(f.name for f in dataclasses.fields(cls))
+        if _module_available("msgspec"):  # sglang depends on it
+            import msgspec
+
+            if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+                return frozenset(f.name for f in msgspec.structs.fields(cls))
+    except Exception:  # an unexpected sglang or msgspec: the keys are not checked
+        return None
+    return None
 
 
 def _check_tensorboard(r: ValidationReport, cfg: DriverConfig) -> None:

@@ -21,6 +21,8 @@ from ._refit import (
 from ._sampling import draw_tokens, generate_group, generate_rows, sample_seed
 from ._sglang import (
     SglangEngine,
+    SglangGenerationError,
+    SglangWeightUpdateError,
     launch_sglang_engines,
     materialize_model,
     parse_sglang_output,
@@ -81,6 +83,8 @@ __all__ = [
     "SamplingParams",
     "ScoredGroup",
     "SglangEngine",
+    "SglangGenerationError",
+    "SglangWeightUpdateError",
     "Tokenizer",
     "WeightRefitter",
     "broadcast_state_dict",

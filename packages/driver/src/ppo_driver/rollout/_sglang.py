@@ -8,9 +8,16 @@ trainer and the engine have GPUs of their own, gloo when they share one) into th
 actor's process and are handed to sglang with its weight-update API,
 ``update_weights_from_tensor`` (CUDA IPC to sglang's scheduler on the same GPU);
 sglang's own ``init_weights_update_group`` / ``update_weights_from_distributed`` and
-``update_weights_from_disk`` are exposed too. Per-sample seeds go in sglang's
-``sampling_seed``; results are bit-reproducible only with
-``enable_deterministic_inference=True``.
+``update_weights_from_disk`` are exposed too. sglang (0.5.23 and later) loads weights
+only inside a weight-update session (``begin_weight_update`` ... ``end_weight_update``)
+and reports a refused update as a ``(success, message)`` result, not an exception: every
+update here opens and closes the session and checks the result, so a refused update
+raises instead of leaving the engine on its old weights under the new version number.
+
+Per-sample seeds go in sglang's ``sampling_seed``, which sglang uses only with
+``enable_deterministic_inference=True`` (an ``engine_kwargs`` entry): without it sampling
+is unseeded, so neither the per-sample seed nor ``run.seed`` makes sglang's samples
+reproducible.
 
 ``sglang.Engine`` drives an asyncio event loop from the thread that calls it, and Ray
 runs a threaded actor's calls on a pool of threads: every call into sglang (its
@@ -47,6 +54,38 @@ from ._types import (
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+_WEIGHTS = "weights"
+"""sglang's memory tag of the model weights (``sglang.srt.constants``); its others are
+``kv_cache`` and ``cuda_graph``. ``release_memory_occupation(tags=None)`` releases all."""
+
+_HALF_DTYPES = ("bfloat16", "float16")
+
+
+class SglangWeightUpdateError(RuntimeError):
+    """sglang refused a weight update (or the session around it). The engine keeps its
+    old ``weight_version`` and generates nothing until a later update succeeds: a
+    refused update may have loaded some tensors and not others."""
+
+
+def _check_sglang_result(result: Any, *, call: str, engine_id: str, version: int) -> None:
+    """Raise :class:`SglangWeightUpdateError` if ``result`` (sglang's ``(success,
+    message)``, or ``(success, message, num_paused_requests)`` for
+    ``update_weights_from_disk``) reports a failure; ``None`` (an sglang that reports
+    nothing) passes."""
+    if result is None:
+        return
+    if isinstance(result, tuple) and result and isinstance(result[0], bool):
+        ok, message = result[0], (result[1] if len(result) > 1 else "")
+    else:
+        ok, message = bool(result), repr(result)
+    if not ok:
+        raise SglangWeightUpdateError(
+            f"engine {engine_id}: sglang's {call} failed while loading weight version "
+            f"{version}: {message}. The engine refuses to generate until a weight update "
+            "succeeds; see the sglang log of that engine's node (a name or shape the model "
+            "does not have, or sglang's memory released, are the usual causes)"
+        )
+
 
 def _import_sglang() -> Any:
     try:
@@ -59,10 +98,21 @@ def _import_sglang() -> Any:
     return sglang
 
 
+class SglangGenerationError(RuntimeError):
+    """sglang ended a request without finishing it (an abort, or NaN logits)."""
+
+
 def parse_sglang_output(out: Mapping[str, Any]) -> SampleOutput:
     """One sglang ``generate`` result (with ``return_logprob=True``) as a
     :class:`SampleOutput`. Pure; ``meta_info.output_token_logprobs`` holds
-    ``(logprob, token_id, text)`` per generated token."""
+    ``(logprob, token_id, text)`` per generated token.
+
+    Only sglang's ``stop`` (a stop token) and ``length`` finishes are samples. An
+    ``abort`` (sglang returns the ones without an HTTP status code as results, not
+    errors) and a ``stop`` on a matched *string* raise :class:`SglangGenerationError`:
+    the driver passes no stop strings, so a string match is sglang's NaN guard
+    (``"NaN happened"``: the logits were NaN and the sampled id was replaced), and
+    training on either would mislabel a broken sample as a complete or truncated one."""
     meta = out["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     tokens = [int(p[1]) for p in pairs]
@@ -73,6 +123,15 @@ def parse_sglang_output(out: Mapping[str, Any]) -> SampleOutput:
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, Mapping) else str(finish)
     matched = finish.get("matched") if isinstance(finish, Mapping) else None
+    if kind not in ("stop", "length") or isinstance(matched, str):
+        shown = dict(finish) if isinstance(finish, Mapping) else finish
+        raise SglangGenerationError(
+            f"sglang did not finish a sample: finish_reason={shown!r} after "
+            f"{len(tokens)} token(s). An abort "
+            "comes from sglang itself (out of memory, a request it refused, a shutdown); "
+            "a stop on a matched string means NaN logits (weights that were never loaded, "
+            "or diverged): see the engine's sglang log"
+        )
     reason: FinishReason = "stop" if kind == "stop" else "length"
     if reason == "stop" and isinstance(matched, int) and (not tokens or tokens[-1] != matched):
         tokens.append(matched)
@@ -112,7 +171,37 @@ class SglangEngine:
             ``mem_fraction_static``, ``enable_deterministic_inference``). Defaults set
             here: ``skip_tokenizer_init=True`` (token ids in and out),
             ``enable_memory_saver=True`` (``release_memory`` needs it),
-            ``random_seed=run_seed``, ``log_level="error"``.
+            ``enable_weights_cpu_backup`` = ``enable_memory_saver`` (see below),
+            ``random_seed=run_seed``, ``log_level="error"``, and with ``model`` a
+            ``ModelSpec`` whose ``dtype`` is ``bfloat16`` or ``float16``, ``dtype`` = that
+            (the trainer's precision; see below).
+
+    Releasing memory (``release_memory``, while colocated trainers use the GPU) drops
+    all of sglang's memory: KV cache, CUDA graphs and weights. sglang keeps the weights'
+    *contents* only with ``enable_weights_cpu_backup=True``; without it the weights are
+    garbage after ``resume_memory`` until the next refit. The backup is on by default
+    wherever the memory saver is, because it is the cheaper side of the trade: it costs
+    host memory for one copy of the weights and a device<->host copy of them at each
+    release and resume (PCIe, well under a second for a small model; a refit while
+    released also copies the old weights back before overwriting them), while the other
+    way, a refit after every resume, would resend the whole policy from the trainer
+    (over gloo and host memory when colocated) also on steps that trained no policy
+    (``ppo.critic_warmup_steps``). Turn it off to save the host memory; the engine
+    then refuses to generate after a resume that no refit followed, instead of
+    sampling from garbage.
+
+    A refit while released (the colocated step: release, train, refit, resume) first
+    brings back the ``weights`` memory alone, so the update writes to mapped memory;
+    ``resume_memory`` then brings back the rest (KV cache, CUDA graphs).
+
+    dtype: sglang's default ``dtype="auto"`` serves a float32 checkpoint (the built-in
+    tiny model, and every trainer model the driver builds: its dtype is float32) in
+    float16, so engine logprobs are float16 numbers against the trainer's float32
+    ones (the importance ratios of the first PPO epoch start slightly off 1). A half
+    precision trainer dtype is passed on; float32 is not: sglang's default attention
+    backends on CUDA (FlashInfer, FlashAttention) are built for half precision, and
+    serving float32 has not been tried here. ``engine_kwargs`` ``dtype`` overrides this
+    either way (``float32`` for parity, with an attention backend that supports it).
     """
 
     def __init__(
@@ -128,13 +217,17 @@ class SglangEngine:
         sgl = _import_sglang()
         if (model_path is None) == (model is None):
             raise ValueError("SglangEngine: give exactly one of model_path and model")
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "enable_memory_saver": True,
             "random_seed": int(run_seed),
             "log_level": "error",
             "skip_tokenizer_init": True,
         }
+        spec_dtype = getattr(model, "dtype", None)
+        if spec_dtype in _HALF_DTYPES:
+            kwargs["dtype"] = spec_dtype
         kwargs.update(engine_kwargs)
+        kwargs.setdefault("enable_weights_cpu_backup", bool(kwargs["enable_memory_saver"]))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
         path = model_path if model_path is not None else materialize_model(model)
         self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
@@ -149,7 +242,11 @@ class SglangEngine:
         self._busy = 0
         self._unpaused = threading.Event()
         self._unpaused.set()
-        self._released = False
+        self._weights_backup = bool(kwargs["enable_weights_cpu_backup"])
+        self._released = False  # release_memory ran and resume_memory has not yet
+        self._weights_released = False  # ... and the weights memory is still released
+        # why generate refuses (weights lost or half-loaded), until an update succeeds
+        self._broken_weights: str | None = None
         self._groups: dict[str, RefitGroup] = {}
         self._needs_weights = restarted_by_ray()  # see EmbeddedEngine
 
@@ -173,6 +270,10 @@ class SglangEngine:
                 if self._released:
                     raise RuntimeError(
                         f"engine {self.engine_id}: generate() while memory is released"
+                    )
+                if self._broken_weights is not None:
+                    raise RuntimeError(
+                        f"engine {self.engine_id}: generate() refused: {self._broken_weights}"
                     )
                 version = self.weight_version
                 input_ids: list[list[int]] = []
@@ -233,20 +334,52 @@ class SglangEngine:
         self._unpaused.set()
 
     def release_memory(self) -> None:
+        """Release all of sglang's GPU memory (see the class docstring for the weights)."""
         with self._lock:
             if self._released:
                 _log.info("engine %s: already released", self.engine_id)
                 return
             self._call(self.engine.release_memory_occupation)
-            self._released = True
+            self._released = self._weights_released = True
 
     def resume_memory(self) -> None:
+        """Bring back what ``release_memory`` released and a refit has not (the weights
+        come back with the first refit while released)."""
         with self._lock:
             if not self._released:
                 _log.info("engine %s: already resident", self.engine_id)
                 return
-            self._call(self.engine.resume_memory_occupation)
+            if self._weights_released:
+                self._call(self.engine.resume_memory_occupation)
+                self._weights_resumed()
+            else:  # a refit brought the weights back: the rest only
+                rest = [t for t in self._memory_tags() if t != _WEIGHTS]
+                self._call(self.engine.resume_memory_occupation, tags=rest)
             self._released = False
+
+    def _memory_tags(self) -> list[str]:
+        try:
+            from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+        except ImportError:  # an sglang without them (or a stand-in): 0.5.23's
+            return ["kv_cache", _WEIGHTS, "cuda_graph"]
+        return list(GPU_MEMORY_ALL_TYPES)
+
+    def _resume_weights(self) -> None:
+        """Before a weight update while released: map the weights' memory again (an
+        update into released memory writes to unmapped addresses). Holds ``_lock``."""
+        if self._weights_released:
+            self._call(self.engine.resume_memory_occupation, tags=[_WEIGHTS])
+            self._weights_resumed()
+
+    def _weights_resumed(self) -> None:
+        self._weights_released = False
+        if not self._weights_backup:
+            self._broken_weights = (
+                "its weights were released without enable_weights_cpu_backup and no "
+                "weight update has refilled them since; refit the engine (the driver "
+                "does before each resume after a policy update) or set "
+                "rollout.engine_kwargs.enable_weights_cpu_backup=true"
+            )
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -269,10 +402,55 @@ class SglangEngine:
         CUDA IPC; CPU ones (a gloo refit) are moved to this process's GPU first."""
         if torch.cuda.is_available():
             tensors = {k: v.cuda() if not v.is_cuda else v for k, v in tensors.items()}
+        named = list(tensors.items())
+        return self._update_weights(
+            version,
+            "update_weights_from_tensor",
+            lambda: self.engine.update_weights_from_tensor(named_tensors=named),
+        )
+
+    def _update_weights(
+        self, version: int, call: str, update: Callable[[], Any], *, session: bool = True
+    ) -> int:
+        """Run ``update`` (an sglang weight update) on the sglang thread, inside a
+        weight-update session when ``session`` (``begin_weight_update`` ...
+        ``end_weight_update``, closed also when the update fails or raises; an sglang
+        before 0.5.23 has no sessions and is called without one), and set
+        ``version`` only if sglang reports success."""
+
+        def run() -> None:
+            begin = getattr(self.engine, "begin_weight_update", None) if session else None
+            if begin is not None:
+                _check_sglang_result(
+                    begin(), call="begin_weight_update", engine_id=self.engine_id, version=version
+                )
+            try:
+                result = update()
+            except BaseException:
+                if begin is not None:
+                    try:
+                        self.engine.end_weight_update()
+                    except Exception:  # the update's own error is the one to report
+                        _log.exception("engine %s: end_weight_update failed", self.engine_id)
+                raise
+            if begin is not None:
+                ended = self.engine.end_weight_update()
+            _check_sglang_result(result, call=call, engine_id=self.engine_id, version=version)
+            if begin is not None:
+                _check_sglang_result(
+                    ended, call="end_weight_update", engine_id=self.engine_id, version=version
+                )
+
         with self._lock:
-            self._call(self.engine.update_weights_from_tensor, named_tensors=list(tensors.items()))
+            self._resume_weights()
+            try:
+                self._call(run)
+            except BaseException as exc:
+                self._broken_weights = f"the update to weight version {version} failed ({exc})"
+                raise
             self.weight_version = int(version)
             self._needs_weights = False
+            self._broken_weights = None
         return self.weight_version
 
     def confirm_weights(self, *, version: int) -> int:
@@ -326,19 +504,23 @@ class SglangEngine:
         return self._call(self.engine.init_weights_update_group, **kwargs)
 
     def update_weights_from_distributed(self, *, version: int, **kwargs: Any) -> int:
-        with self._lock:
-            self._call(self.engine.update_weights_from_distributed, **kwargs)
-            self.weight_version = int(version)
-            self._needs_weights = False
-        return self.weight_version
+        """sglang's ``update_weights_from_distributed`` (``kwargs``: its ``names``,
+        ``dtypes``, ``shapes``, ``group_name``, ...), in a weight-update session."""
+        return self._update_weights(
+            version,
+            "update_weights_from_distributed",
+            lambda: self.engine.update_weights_from_distributed(**kwargs),
+        )
 
     def update_weights_from_hf_dir(self, model_path: str, *, version: int) -> int:
-        """sglang's ``update_weights_from_disk`` (a full HF model directory)."""
-        with self._lock:
-            self._call(self.engine.update_weights_from_disk, model_path)
-            self.weight_version = int(version)
-            self._needs_weights = False
-        return self.weight_version
+        """sglang's ``update_weights_from_disk`` (a full HF model directory; sglang runs
+        it without a weight-update session)."""
+        return self._update_weights(
+            version,
+            "update_weights_from_disk",
+            lambda: self.engine.update_weights_from_disk(model_path),
+            session=False,
+        )
 
     def shutdown(self) -> None:
         """Stop sglang's processes (idempotent); the actor itself stays until killed."""
