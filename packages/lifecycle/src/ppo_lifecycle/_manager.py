@@ -255,15 +255,15 @@ class OffloadManager:
         todo = requested & self._asleep
         # A storage shared by two parts sleeps with the first in PART_ORDER (the
         # optimizer before the parameters): it comes back with whichever part needs it.
-        shared = {q for p in requested for q in self._held_by.get(p, ())} - todo
-        if shared & self._asleep:
+        shared = ({q for p in requested for q in self._held_by.get(p, ())} - todo) & self._asleep
+        if shared:
             logger.info(
                 "%s: wake_up(%s) also wakes %s (storage shared with the requested parts)",
                 self.name,
                 parts_label(requested),
                 sorted(p.value for p in shared),
             )
-            todo = todo | (shared & self._asleep)
+            todo = todo | shared
         if not todo:
             logger.info(
                 "%s: wake_up(%s) while already resident; ensuring process groups only",
