@@ -481,10 +481,17 @@ class MegatronFrozenModel:
         tp = ps.get_tensor_model_parallel_world_size()
         with _megatron_call(), torch.no_grad():
             for name, p in self._named_params():
-                if name not in full:
+                source = name
+                if name == "output_layer.weight" and self.layout.tie_word_embeddings:
+                    # Tied embeddings under pipeline parallelism: the last stage holds its
+                    # own copy of the embedding as the output layer (megatron keeps the two
+                    # equal by summing their gradients in finalize_model_grads). It is
+                    # vocab-parallel like the embedding, so the same shard fills it.
+                    source = "embedding.word_embeddings.weight"
+                if source not in full:
                     raise KeyError(f"megatron weight {name!r} has no HF source")
                 value = _convert.shard(
-                    name, full[name], rank=tp_rank, size=tp, critic=self.layout.critic
+                    name, full[source], rank=tp_rank, size=tp, critic=self.layout.critic
                 )
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(
