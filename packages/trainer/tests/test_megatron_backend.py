@@ -184,6 +184,16 @@ def test_tensor_parallel_shards_round_trip() -> None:
             id="mxfp8-distopt",
         ),
         pytest.param(
+            {"optimizer": {"overlap_param_gather": True}},
+            "policy.megatron_cfg.optimizer.overlap_param_gather",
+            id="overlap-param-gather",
+        ),
+        pytest.param(
+            {"optimizer": {"overlap_param_gather": True, "use_distributed_optimizer": True}},
+            "policy.megatron_cfg.optimizer.overlap_param_gather",
+            id="overlap-param-gather-distopt",
+        ),
+        pytest.param(
             {"tensor_model_parallel_size": 0},
             "policy.megatron_cfg.tensor_model_parallel_size",
             id="tp0",
