@@ -582,8 +582,8 @@ class MegatronTrainModel(MegatronFrozenModel):
         self._overflow = False  # float16: this step's scaled gradients overflowed
         # The mixed-precision optimizers' fp32 main parameters (Float16Optimizer's
         # main_param, the distributed optimizer's shard_main_param) are neither module
-        # parameters nor optimizer state, yet as large as both: they sleep with the
-        # optimizer. Under float32 the inner optimizer steps the model's own parameters
+        # parameters nor optimizer state, yet hold 4 bytes per parameter (per shard with
+        # the distributed optimizer): they sleep with the optimizer. Under float32 the inner optimizer steps the model's own parameters
         # (or views of DDP's param buffer), which the PARAMETERS part already moves and
         # which must not be listed twice: only storages of their own count. Fixed here:
         # the optimizer keeps these tensors (checkpoint loads copy into them).
@@ -668,12 +668,13 @@ class MegatronTrainModel(MegatronFrozenModel):
         are complete, and :meth:`grad_norm` then reports the overflow as ``inf`` so that
         every rank refuses the step alike (the flag is reduced over all ranks).
         """
-        bad = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _, p in self._named_params():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not bool(torch.isfinite(g).all()):
-                bad.fill_(1.0)
-                break
+        finite = [
+            torch.isfinite(g).all()
+            for _, p in self._named_params()
+            if (g := getattr(p, "main_grad", None)) is not None
+        ]
+        ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
+        bad = (~ok).to(device=self.device, dtype=torch.float32)  # one sync, not one per tensor
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bool(bad):
             before = self._loss_scale()
