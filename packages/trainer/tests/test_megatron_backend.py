@@ -10,6 +10,9 @@ the two backends) within the gradient bound; weights after one Adam step within
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 
@@ -182,6 +185,16 @@ def test_tensor_parallel_shards_round_trip() -> None:
             },
             "policy.megatron_cfg.optimizer.use_distributed_optimizer",
             id="mxfp8-distopt",
+        ),
+        pytest.param(
+            {"optimizer": {"overlap_param_gather": True}},
+            "policy.megatron_cfg.optimizer.overlap_param_gather",
+            id="overlap-param-gather",
+        ),
+        pytest.param(
+            {"optimizer": {"overlap_param_gather": True, "use_distributed_optimizer": True}},
+            "policy.megatron_cfg.optimizer.overlap_param_gather",
+            id="overlap-param-gather-distopt",
         ),
         pytest.param(
             {"tensor_model_parallel_size": 0},
@@ -461,3 +474,257 @@ def test_one_step_matches_the_torch_backend() -> None:
     )
     assert metrics["megatron"]["actor/lr"] == metrics["torch"]["actor/lr"]
     assert_within(weights["megatron"], weights["torch"], moved)
+
+
+# --- float16 loss scaling -----------------------------------------------------------------------
+
+
+def _probable_bound(*, terms: int, magnitude: float, dtype: torch.dtype) -> float:
+    """Two evaluations of one value in ``dtype`` over ``terms`` rounded terms: float16's
+    worst-case bound (``rounding_bound``) exceeds 1 for these models (``terms * u > 1``),
+    so the probabilistic one (Higham & Mary 2019, Thm. 3.1): each side is within
+    ``gamma(lam) = exp(lam * sqrt(n) * u + n * u**2 / (1 - u)) - 1`` relative, with
+    probability at least ``1 - 2n exp(-lam**2 (1 - u)**2 / 2)``; lam = 6 gives ~1 - 4e-5
+    for n ~ 1200."""
+    u = torch.finfo(dtype).eps / 2
+    gamma = math.exp(6.0 * math.sqrt(terms) * u + terms * u * u / (1 - u)) - 1
+    return 2 * gamma * magnitude
+
+
+def _one_step(dtype: str, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One Adam step of a bare policy model (no clipping, no weight decay): the weights
+    before and after, the unscaled gradients, and the norms the model reported."""
+    spec = ModelSpec(seed=3, dtype=dtype)
+    config = ActorConfig(model=spec, backend="megatron", lr=1e-3, max_grad_norm=None)
+    backend = get_backend("megatron")(config=config, rank=0, world_size=1, dist_init_method=None)
+    model = backend.build_policy()
+    before = model.export_hf()
+
+    def loss_fn(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> Any:
+        return (out.logsumexp(-1) * mb["loss_mask"]).sum() / mb["loss_mask"].sum(), {}
+
+    model.zero_grad()
+    model.forward_backward([batch], loss_fn=loss_fn)
+    model.all_reduce_grads()
+    scale = float(model.optimizer.get_loss_scale())
+    grads = {k: g.double() / scale for k, g in model.grads().items()}
+    norm = model.grad_norm()
+    info = model.step()
+    return {
+        "before": before,
+        "after": model.export_hf(),
+        "grads": _convert.megatron_to_hf(grads, model.layout),
+        "grad_norm": norm,
+        "step": info,
+        "scale": scale,
+        "lr": config.lr,
+        "eps": config.adam_eps,
+    }
+
+
+def test_float16_one_step_moves_the_weights_like_float32() -> None:
+    """float16 scales the loss by megatron's loss scale before backward and reports the
+    unscaled gradient norm; the Adam step then moves every weight as float32's does."""
+    batch = _batch(7)
+    f32, f16 = _one_step("float32", batch), _one_step("float16", batch)
+    assert f16["scale"] > 1.0  # a dynamic loss scaler is in use
+    terms = _step_terms(batch)
+    norm32 = f32["step"]["grad_norm"]
+    norm_tol = _probable_bound(terms=terms, magnitude=norm32, dtype=torch.float16)
+    assert norm_tol < 0.5 * norm32  # the check can tell a wrongly scaled norm
+    for got in (f16["grad_norm"], f16["step"]["grad_norm"]):
+        assert abs(got - norm32) <= norm_tol, (got, norm32)
+    # Per tensor, float16's gradients are within the probable bound of the tensor's
+    # largest float32 gradient; Adam's first step is -lr * g / (|g| + eps), so where g is
+    # clear of that bound both runs move by ~lr with its sign (adam_step_bound), plus
+    # float16's rounding of the new weight (u16 * |w|, at least half a subnormal step).
+    u16 = torch.finfo(torch.float16).eps / 2
+    g32 = f32["grads"]
+    bound = {
+        k: torch.full_like(
+            g,
+            _probable_bound(terms=terms, magnitude=float(g.abs().max()), dtype=torch.float16),
+        )
+        for k, g in g32.items()
+    }
+    moved = adam_step_bound(
+        grads=g32,
+        grad_bound=bound,
+        params=f32["after"],
+        lr=f32["lr"],
+        adam_eps=f32["eps"],
+        grad_norm=norm32,
+        max_grad_norm=None,
+    )
+    delta32 = {k: f32["after"][k].double() - f32["before"][k].double() for k in g32}
+    delta16 = {k: f16["after"][k].double() - f16["before"][k].double() for k in g32}
+    # (below float16's smallest normal the spacing is fixed: tiny * eps)
+    tiny = torch.finfo(torch.float16).tiny
+    limit = {k: moved[k] + u16 * f16["after"][k].double().abs().clamp(min=tiny) for k in g32}
+    assert_within(delta16, delta32, limit)
+    clear = sum(int((g.abs() > 2 * bound[k]).sum()) for k, g in g32.items())
+    # the bound is tight (|delta16 - delta32| << lr) on enough elements to see a step
+    # that does not move the weights (float16's unscaled loss moved them by ~1e-6)
+    assert clear > 0.01 * sum(g.numel() for g in g32.values())
+
+
+def test_float16_overflow_is_reported_and_backs_off_the_loss_scale() -> None:
+    """Gradients that overflow float16 under the loss scale: the gradient norm reads inf
+    (the worker refuses the step on every rank), the scale halves, and a direct step()
+    raises instead of counting a skipped update as a step."""
+    spec = ModelSpec(seed=3, dtype="float16")
+    config = ActorConfig(model=spec, backend="megatron", lr=1e-3, max_grad_norm=None)
+    backend = get_backend("megatron")(config=config, rank=0, world_size=1, dist_init_method=None)
+    model = backend.build_policy()
+    before = model.export_hf()
+    scale = float(model.optimizer.get_loss_scale())
+    batch = _batch(10)
+
+    def huge(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> Any:
+        return 1e6 * out.logsumexp(-1).mean(), {}  # x 2**16: past float16's range
+
+    model.zero_grad()
+    model.forward_backward([batch], loss_fn=huge)
+    model.all_reduce_grads()
+    assert model.grad_norm() == float("inf")
+    assert float(model.optimizer.get_loss_scale()) == scale / 2
+    with pytest.raises(FloatingPointError, match="loss scale"):
+        model.step()
+    after = model.export_hf()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert model._steps == 0  # the scheduler did not advance
+    # the next clean step trains normally at the lower scale
+    model.forward_backward([batch], loss_fn=lambda out, mb: (out.logsumexp(-1).mean(), {}))
+    model.all_reduce_grads()
+    assert math.isfinite(model.grad_norm())
+    model.step()
+    assert model._steps == 1
+
+
+# --- checkpoints: param groups and the loss scaler ---------------------------------------------
+
+
+def _trained_actor(spec: ModelSpec, options: dict[str, object]) -> ActorWorker:
+    actor = ActorWorker(
+        ActorConfig(model=spec, backend="megatron", lr=1e-3, backend_options=options)
+    )
+    batch = _batch(8)
+    old = actor.compute_logprobs(batch)
+    denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
+    actor.train_chunk(
+        batch, old_logprobs=old, advantages=batch["loss_mask"], loss_denominator=denom
+    )
+    actor.finish_step()
+    return actor
+
+
+def _groups(actor: ActorWorker) -> list[dict[str, object]]:
+    return [
+        {k: v for k, v in g.items() if k != "params"}
+        for inner in actor._policy._inner_optimizers()
+        for g in inner.param_groups
+    ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="classic"),
+        pytest.param({"optimizer": {"use_distributed_optimizer": True}}, id="distopt"),
+    ],
+)
+def test_checkpoint_restores_param_groups_and_the_loss_scaler(
+    tmp_path: object, options: dict[str, object]
+) -> None:
+    """A group-level step counter (TE's FusedAdam keeps Adam's step in
+    ``param_group["step"]``, emulated here) and float16's dynamic loss scaler survive a
+    checkpoint; a checkpoint without them (the earlier format) still loads."""
+    spec = ModelSpec(seed=3, dtype="float16")
+    actor = _trained_actor(spec, options)
+    policy = actor._policy
+    for i, inner in enumerate(policy._inner_optimizers()):
+        for j, group in enumerate(inner.param_groups):
+            group["step"] = torch.tensor(float(7 + i + j))  # as FusedAdam: a tensor
+            group["betas"] = (0.8, 0.95)
+    (scaler,) = [opt.grad_scaler for opt in policy.optimizer.chained_optimizers]
+    scaler.update(True)  # halve the scale, reset the growth tracker
+    scaler.update(False)  # one clean step since
+    saved_scaler = scaler.state_dict()
+    actor.save_checkpoint(tmp_path)  # type: ignore[arg-type]
+
+    other = ActorWorker(
+        ActorConfig(model=spec, backend="megatron", lr=1e-3, backend_options=options)
+    )
+    other.load_checkpoint(tmp_path)  # type: ignore[arg-type]
+    want, got = _groups(actor), _groups(other)
+    assert len(got) == len(want)
+    for a, b in zip(want, got, strict=True):
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(b[k], v), k  # type: ignore[arg-type]
+            else:
+                assert b[k] == v, k
+    (restored,) = [opt.grad_scaler for opt in other._policy.optimizer.chained_optimizers]
+    now = restored.state_dict()
+    assert torch.equal(now["scale"].cpu(), saved_scaler["scale"].cpu())
+    assert now["scale"] == scaler.scale and float(now["scale"]) < 2.0**16
+    assert (now["growth_tracker"], now["hysteresis_tracker"]) == (
+        saved_scaler["growth_tracker"],
+        saved_scaler["hysteresis_tracker"],
+    )
+
+    # the format before param groups and the scaler were saved: loads as it did
+    state = policy.checkpoint_state()
+    for entry in state["optimizer"]:
+        del entry["param_groups"], entry["grad_scaler"]
+    fresh = ActorWorker(
+        ActorConfig(model=spec, backend="megatron", lr=1e-3, backend_options=options)
+    )
+    fresh._policy.load_checkpoint_state(state)
+    assert all("step" not in g for g in _groups(fresh))
+    assert float(fresh._policy.optimizer.get_loss_scale()) == 2.0**16
+    for name, value in actor.export_weights().items():
+        assert torch.equal(fresh.export_weights()[name], value), name
+
+
+# --- sleep: the fp32 main parameters -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="classic"),
+        pytest.param({"optimizer": {"use_distributed_optimizer": True}}, id="distopt"),
+    ],
+)
+def test_sleep_offloads_the_fp32_main_params(options: dict[str, object]) -> None:
+    """bfloat16: the mixed-precision optimizer's fp32 main parameters leave the device
+    with the optimizer (the host-copy backend empties their storages), and training
+    after sleep / wake_up is bit for bit training without."""
+    spec = ModelSpec(seed=3, dtype="bfloat16")
+    slept, awake = _trained_actor(spec, options), _trained_actor(spec, options)
+    mains = [
+        p
+        for inner in slept._policy._inner_optimizers()
+        for g in inner.param_groups
+        for p in g["params"]
+    ]
+    assert mains and all(p.dtype == torch.float32 for p in mains)
+    slept.sleep()
+    # every storage the inner optimizer steps is empty: its own (main params) or the
+    # model's (the local spec's float32 RMSNorm weights are the model parameters)
+    assert all(p.untyped_storage().nbytes() == 0 for p in mains)
+    slept.wake_up()
+    assert all(p.untyped_storage().nbytes() >= p.numel() * 4 for p in mains)
+    for worker in (slept, awake):
+        batch = _batch(9)
+        old = worker.compute_logprobs(batch)
+        denom = loss_denominator(loss_mask=batch["loss_mask"], loss_agg="token")
+        worker.train_chunk(
+            batch, old_logprobs=old, advantages=-batch["loss_mask"], loss_denominator=denom
+        )
+        worker.finish_step()
+    a, b = awake.export_weights(), slept.export_weights()
+    for name in a:
+        assert torch.equal(b[name], a[name]), name

@@ -1,5 +1,6 @@
 """The megatron backend with two ranks (gloo on CPU): tensor parallel 2, pipeline parallel
-2, and data parallel 2 with the distributed optimizer, each against one process.
+2, and data parallel 2 with the distributed optimizer, each against one process; and a
+tied-embedding model over two pipeline stages against transformers.
 
 Plain data parallel 2 (classic DDP) runs in the contract suite
 (``test_contract.py::test_two_data_parallel_ranks_match_single_process[megatron]``).
@@ -159,29 +160,36 @@ def _rank_main(rank: int, init: str, out_dir: str) -> None:
         out = _run(data, rows, options, rank=rank, world_size=2, dist_init_method=init)
         save_file({k: v.contiguous() for k, v in out.items()}, f"{out_dir}/{name}.{rank}.st")
         ps.destroy_model_parallel()
+    _tied_rank(rank, init, out_dir)  # in the same processes: megatron is imported once
+    ps.destroy_model_parallel()
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("megatron2")
+def _spawn_two_ranks(main: Any, out: Path, *, timeout: float = 480.0) -> None:
+    """``main(rank, init, out_dir)`` in two spawned ranks, always joined."""
     context = mp.start_processes(
-        _rank_main,
+        main,
         args=(f"file://{out / 'pg'}", str(out)),
         nprocs=2,
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + 480.0
+    deadline = time.monotonic() + timeout
     try:
         # join() re-raises a child's exception (and then terminates the other child)
         while not context.join(timeout=5.0):
             if time.monotonic() > deadline:
-                raise TimeoutError("the two megatron ranks did not finish within 480 s")
+                raise TimeoutError(f"the two megatron ranks did not finish within {timeout} s")
     finally:
         for process in context.processes:  # never leave a rank behind (hang, failure)
             if process.is_alive():
                 process.terminate()
             process.join()
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("megatron2")
+    _spawn_two_ranks(_rank_main, out)
     return out
 
 
@@ -297,3 +305,86 @@ def test_two_ranks_match_one_process(
                 k.removeprefix(f"{role}."): v for k, v in got.items() if k.startswith(f"{role}.")
             }
             assert_within(got_weights, weights, moved)
+
+
+# --- tied embeddings, pipeline parallel 2 ----------------------------------------------------
+
+TIED = ModelSpec(seed=5, tie_word_embeddings=True)
+
+
+def _own_logit(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per token (the shape the pipeline broadcasts): the logit of the token itself."""
+    return out.gather(-1, mb["input_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def _log_normaliser(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per token: the logsumexp over the vocabulary (every row of the tied output layer)."""
+    return out.logsumexp(-1)
+
+
+def _tied_rank(rank: int, init: str, out_dir: str) -> None:
+    from ppo_trainer import get_backend
+
+    config = ActorConfig(
+        model=TIED,
+        backend="megatron",
+        lr=1e-3,
+        backend_options={"pipeline_model_parallel_size": 2},
+    )
+    backend = get_backend("megatron")(config=config, rank=rank, world_size=2, dist_init_method=init)
+    policy = backend.build_policy()  # load_hf: the last stage's output layer too
+    loaded = policy.export_hf()
+    data = _data()
+    batch = {k: data[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+    (own,) = policy.forward([batch], fn=_own_logit)
+    (lse,) = policy.forward([batch], fn=_log_normaliser)
+
+    def loss_fn(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> Any:
+        loss = (out.logsumexp(-1) * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
+        return loss, {}
+
+    policy.zero_grad()
+    policy.forward_backward([batch], loss_fn=loss_fn)
+    policy.all_reduce_grads()
+    policy.step()
+    stepped = policy.export_hf()
+    local = dict(policy._named_params())
+    out = {f"loaded.{k}": v for k, v in loaded.items()}
+    out |= {f"stepped.{k}": v for k, v in stepped.items()}
+    out["own"], out["lse"] = own, lse
+    if "output_layer.weight" in local:  # the last stage's own copy of the embedding
+        out["output_layer"] = local["output_layer.weight"].detach().clone()
+    save_file({k: v.contiguous() for k, v in out.items()}, f"{out_dir}/tied.{rank}.st")
+
+
+def test_tied_embeddings_with_two_pipeline_stages(two_rank_results: Path) -> None:
+    """A tied model split over two pipeline stages: the last stage's separate output layer
+    is loaded from the HF embedding, export gives exactly the HF weights (no second
+    lm_head), the logits match transformers on the same weights, and after one step the
+    output layer still equals the (updated) embedding."""
+    ranks = [load_file(str(two_rank_results / f"tied.{r}.st")) for r in (0, 1)]
+    hf = build_causal_lm(TIED)
+    hf_state = hf.state_dict()
+    data = _data()
+    batch = {k: data[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        logits = hf(**batch).logits
+    b, t = batch["input_ids"].shape
+    terms = model_terms(TIED, tokens=b * t, seq_len=t, backward=False)
+    # the log-normaliser carries the logits' error (its softmax weights sum to 1)
+    bound = rounding_bound(terms=terms, magnitude=head_magnitude(hf, batch))
+    real = batch["attention_mask"].bool()
+    for got in ranks:
+        loaded = {k.removeprefix("loaded."): v for k, v in got.items() if k.startswith("loaded.")}
+        assert loaded.keys() == hf_state.keys()  # exactly the HF keys
+        for name, value in hf_state.items():
+            assert torch.equal(loaded[name], value), name
+        for key, fn in (("own", _own_logit), ("lse", _log_normaliser)):
+            expected = fn(logits, batch)
+            torch.testing.assert_close(got[key][real], expected[real], atol=bound, rtol=0)
+    assert "output_layer" in ranks[1] and "output_layer" not in ranks[0]
+    stepped = {k.removeprefix("stepped."): v for k, v in ranks[1].items() if "stepped." in k}
+    embedding = stepped["model.embed_tokens.weight"]  # gathered from the first stage
+    assert not torch.equal(embedding, hf_state["model.embed_tokens.weight"])  # it moved
+    # both copies got the same summed gradient and the same Adam update: bit for bit
+    assert torch.equal(ranks[1]["output_layer"], embedding)

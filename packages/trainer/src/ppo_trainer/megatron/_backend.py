@@ -481,10 +481,17 @@ class MegatronFrozenModel:
         tp = ps.get_tensor_model_parallel_world_size()
         with _megatron_call(), torch.no_grad():
             for name, p in self._named_params():
-                if name not in full:
+                source = name
+                if name == "output_layer.weight" and self.layout.tie_word_embeddings:
+                    # Tied embeddings under pipeline parallelism: the last stage holds its
+                    # own copy of the embedding as the output layer (megatron keeps the two
+                    # equal by summing their gradients in finalize_model_grads). It is
+                    # vocab-parallel like the embedding, so the same shard fills it.
+                    source = "embedding.word_embeddings.weight"
+                if source not in full:
                     raise KeyError(f"megatron weight {name!r} has no HF source")
                 value = _convert.shard(
-                    name, full[name], rank=tp_rank, size=tp, critic=self.layout.critic
+                    name, full[source], rank=tp_rank, size=tp, critic=self.layout.critic
                 )
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(
@@ -547,15 +554,52 @@ class MegatronTrainModel(MegatronFrozenModel):
                 bf16=dtype == torch.bfloat16,
                 fp16=dtype == torch.float16,
                 params_dtype=dtype,
+                # float16 only (a dynamic loss scaler). Megatron starts at 2**32, which
+                # overflows float16 gradients at once and backs off by halving over ~17
+                # skipped steps; here every overflow aborts the step (see
+                # all_reduce_grads), so start where torch.amp's GradScaler starts and
+                # halve at the first overflow (no hysteresis).
+                initial_loss_scale=2.0**16,
+                hysteresis=1,
             )
             self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
             # megatron exempts biases and norms from weight decay; the torch backend's
             # AdamW decays every parameter. Same rule here, so both backends agree.
             for group in self.optimizer.param_groups:
                 group["weight_decay"] = config.weight_decay
+            # float16: megatron's optimizer unscales the main gradients by 1/loss_scale
+            # in step(), so the loss must be multiplied by it before backward. The
+            # pipeline schedules do that through config.grad_scale_func; the PP=1 path
+            # calls backward itself (forward_backward).
+            self._scalers = [
+                scaler
+                for opt in self._chained()
+                if (scaler := getattr(opt, "grad_scaler", None)) is not None
+            ]
+            if self._scalers:
+                tconfig.grad_scale_func = self.optimizer.scale_loss
         self._steps = 0
+        self._overflow = False  # float16: this step's scaled gradients overflowed
+        # The mixed-precision optimizers' fp32 main parameters (Float16Optimizer's
+        # main_param, the distributed optimizer's shard_main_param) are neither module
+        # parameters nor optimizer state, yet hold 4 bytes per parameter (per shard with
+        # the distributed optimizer): they sleep with the optimizer. Under float32 the inner optimizer steps the model's own parameters
+        # (or views of DDP's param buffer), which the PARAMETERS part already moves and
+        # which must not be listed twice: only storages of their own count. Fixed here:
+        # the optimizer keeps these tensors (checkpoint loads copy into them).
+        model_storages = {
+            t.untyped_storage().data_ptr() for t in (*gpt.parameters(), *gpt.buffers())
+        }
+        self._main_params = [
+            p
+            for inner in self._inner_optimizers()
+            for group in inner.param_groups
+            for p in group["params"]
+            if isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() not in model_storages
+        ]
         # Parameters live in DDP's param buffer, gradients in its separate grad buffer
-        # (``main_grad`` views), Adam's moments in the inner torch optimizers' state.
+        # (``main_grad`` views), Adam's moments in the inner torch optimizers' state, the
+        # fp32 main parameters (mixed precision) in the optimizer's own tensors.
         self.lifecycle = OffloadManager(
             gpt,
             None,
@@ -566,9 +610,16 @@ class MegatronTrainModel(MegatronFrozenModel):
             extra={Part.OPTIMIZER: self._optimizer_state},
         )
 
+    def _chained(self) -> list[Any]:
+        """Megatron's optimizers (one per param-group set) inside the ChainedOptimizer."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return [opt.optimizer for opt in chained]
+        return [opt.optimizer for opt in self._chained()]
+
+    def _loss_scale(self) -> float:
+        """float16's current loss scale (1.0 without a loss scaler)."""
+        return float(self.optimizer.get_loss_scale()) if self._scalers else 1.0
 
     def forward_backward(
         self, micro_batches: Sequence[Batch], *, loss_fn: LossFn
@@ -579,6 +630,8 @@ class MegatronTrainModel(MegatronFrozenModel):
                 metrics: list[dict[str, float]] = []
                 for mb in micro_batches:
                     loss, m = loss_fn(self._output(self._module_forward(mb)), mb)
+                    if self._scalers:  # float16 (the schedules use grad_scale_func)
+                        loss = self.optimizer.scale_loss(loss)
                     loss.backward()  # type: ignore[no-untyped-call]
                     metrics.append(m)
                 return metrics
@@ -602,6 +655,38 @@ class MegatronTrainModel(MegatronFrozenModel):
     def all_reduce_grads(self) -> None:
         with _megatron_call():
             finalize_model_grads([self.ddp])
+            if self._scalers:
+                self._check_overflow()
+
+    def _check_overflow(self) -> None:
+        """float16: whether the loss-scaled gradients overflowed on any rank.
+
+        Megatron's step() would find it, skip the update and halve the loss scale. The
+        worker, however, refuses a non-finite gradient norm BEFORE the step (raising
+        ``FloatingPointError``, gradients discarded), so the step is never reached and the
+        scale would never come down: the back-off happens here, where the step's gradients
+        are complete, and :meth:`grad_norm` then reports the overflow as ``inf`` so that
+        every rank refuses the step alike (the flag is reduced over all ranks).
+        """
+        finite = [
+            torch.isfinite(g).all()
+            for _, p in self._named_params()
+            if (g := getattr(p, "main_grad", None)) is not None
+        ]
+        ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
+        bad = (~ok).to(device=self.device, dtype=torch.float32)  # one sync, not one per tensor
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bool(bad):
+            before = self._loss_scale()
+            for scaler in self._scalers:
+                scaler.update(True)
+            self._overflow = True
+            log.warning(
+                "float16 loss scale %g overflowed the gradients; no update is made this "
+                "step and the scale is now %g",
+                before,
+                self._loss_scale(),
+            )
 
     def scale_grads(self, factor: float) -> None:
         # Rescales the local, not yet reduced main_grad buffers in place (megatron DDP's own
@@ -613,6 +698,10 @@ class MegatronTrainModel(MegatronFrozenModel):
         # This rank's DDP gradient buffers (main_grad), read in place. Not the optimizer's
         # get_grad_norm(): with the distributed optimizer its main gradients exist only
         # inside step(). Under tensor/pipeline parallelism this is the rank's own shard.
+        # float16: the buffers hold loss-scaled gradients; the norm reported is the true
+        # one (an overflow found by all_reduce_grads reads as inf: the step is refused).
+        if self._overflow:
+            return float("inf")
         norms = [
             torch.linalg.vector_norm(g)
             for _, p in self._named_params()
@@ -620,7 +709,7 @@ class MegatronTrainModel(MegatronFrozenModel):
         ]
         if not norms:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
+        return float(torch.linalg.vector_norm(torch.stack(norms))) / self._loss_scale()
 
     def step(self) -> dict[str, float]:
         lr = self.config.lr * lr_multiplier(
@@ -630,16 +719,30 @@ class MegatronTrainModel(MegatronFrozenModel):
             decay_steps=self.config.decay_steps,
             min_lr_ratio=self.config.min_lr_ratio,
         )
-        with _megatron_call():
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            ok, grad_norm, _ = self.optimizer.step()
+        scale = self._loss_scale()
+        ok = not self._overflow
+        if ok:
+            with _megatron_call():
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                # (ok, grad_norm of the unscaled main gradients, zeros); ok is False when
+                # megatron found inf/nan in them (float16: it also halved the loss scale).
+                ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
+            # A skipped update is not a step: the scheduler does not advance, the
+            # gradients are dropped, and the caller learns of it (the same error the
+            # worker raises for a non-finite gradient norm).
+            self.zero_grad()
+            raise FloatingPointError(
+                f"the megatron optimizer skipped the update: the gradients are not finite "
+                f"(float16 loss scale {scale:g}, now {self._loss_scale():g}); no optimizer "
+                "step was taken (gradients discarded)"
+            )
         self._steps += 1
         return {"grad_norm": float(grad_norm or 0.0), "lr": lr}
 
     def zero_grad(self) -> None:
+        self._overflow = False
         with _megatron_call():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -652,7 +755,8 @@ class MegatronTrainModel(MegatronFrozenModel):
     def checkpoint_state(self) -> dict[str, Any]:
         model = {n: p.detach().to("cpu", copy=True) for n, p in self._named_params()}
         optim: list[dict[str, Any]] = []
-        for inner in self._inner_optimizers():
+        for chained in self._chained():
+            inner = chained.optimizer
             params = [p for g in inner.param_groups for p in g["params"]]
             state: dict[str, Any] = {}
             for i, p in enumerate(params):
@@ -664,7 +768,26 @@ class MegatronTrainModel(MegatronFrozenModel):
             # The inner optimizer's parameters are the main (fp32) copies under mixed
             # precision or the distributed optimizer: saved too, so a restore is exact.
             main = {str(i): p.detach().to("cpu", copy=True) for i, p in enumerate(params)}
-            optim.append({"state": state, "num_params": len(params), "main_params": main})
+            # The param groups' own entries (lr, betas, eps, megatron's multipliers, and
+            # the step counter that TE's FusedAdam keeps there rather than per parameter)
+            # and float16's loss scaler: without them a restore restarts Adam's bias
+            # correction and the loss scale.
+            groups = [
+                {k: _to_cpu(v) for k, v in g.items() if k != "params" and _saveable(v)}
+                for g in inner.param_groups
+            ]
+            scaler = getattr(chained, "grad_scaler", None)
+            optim.append(
+                {
+                    "state": state,
+                    "num_params": len(params),
+                    "main_params": main,
+                    "param_groups": groups,
+                    "grad_scaler": None
+                    if scaler is None
+                    else {k: _to_cpu(v) for k, v in scaler.state_dict().items()},
+                }
+            )
         return {"model": model, "optimizer": optim, "scheduler": {"step": self._steps}}
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
@@ -672,13 +795,28 @@ class MegatronTrainModel(MegatronFrozenModel):
         with _megatron_call(), torch.no_grad():
             for name, p in self._named_params():
                 p.copy_(model[name].to(dtype=p.dtype, device=p.device))
-            inners = self._inner_optimizers()
+            chained_all = self._chained()
+            inners = [c.optimizer for c in chained_all]
             if len(inners) != len(state["optimizer"]):
                 raise ValueError("checkpoint optimizer layout differs from this model's")
-            for inner, saved in zip(inners, state["optimizer"], strict=True):
+            for chained, saved in zip(chained_all, state["optimizer"], strict=True):
+                inner = chained.optimizer
                 params = [p for g in inner.param_groups for p in g["params"]]
                 if int(saved["num_params"]) != len(params):
                     raise ValueError("checkpoint optimizer layout differs from this model's")
+                # Checkpoints written before these entries existed lack them: the groups
+                # keep their fresh values and the scaler its initial state, as before.
+                groups = saved.get("param_groups")
+                if groups is not None:
+                    if len(groups) != len(inner.param_groups):
+                        raise ValueError("checkpoint optimizer layout differs from this model's")
+                    for group, values in zip(inner.param_groups, groups, strict=True):
+                        group.update(
+                            {k: _to_device(v, _group_device(group)) for k, v in values.items()}
+                        )
+                scaler = getattr(chained, "grad_scaler", None)
+                if scaler is not None and saved.get("grad_scaler") is not None:
+                    scaler.load_state_dict(dict(saved["grad_scaler"]))
                 inner.state.clear()
                 for key, values in saved["state"].items():
                     p = params[int(key)]
@@ -695,13 +833,39 @@ class MegatronTrainModel(MegatronFrozenModel):
 
     # -- sleep / wake_up ------------------------------------------------------------------
     def _optimizer_state(self) -> list[torch.Tensor]:
-        return [
+        state = [
             v
             for inner in self._inner_optimizers()
             for st in inner.state.values()
             for v in st.values()
             if isinstance(v, torch.Tensor)
         ]
+        return state + self._main_params
+
+
+def _saveable(value: Any) -> bool:
+    """What a checkpoint can hold without pickle (``ppo_trainer._serialize``): tensors,
+    JSON scalars and tuples / lists of them. Anything else in a param group (none in
+    megatron-core 0.16's groups) is left at the restored model's value."""
+    if isinstance(value, tuple | list):
+        return all(_saveable(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str | torch.Tensor)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _group_device(group: Mapping[str, Any]) -> torch.device:
+    """The device of a param group's parameters (where its tensor entries live)."""
+    params = group["params"]
+    return params[0].device if params else torch.device("cpu")
 
 
 # --- the backend --------------------------------------------------------------------------

@@ -58,8 +58,8 @@ def parse_options(options: Mapping[str, Any], *, role: str) -> MegatronOptions:
     """Validate ``options`` (a ``megatron_cfg`` mapping) for ``role`` ("policy"/"critic").
 
     Raises ``ValueError`` naming ``<role>.megatron_cfg.<key>`` for an unknown key, a
-    non-positive parallel size, Megatron FSDP, and MXFP8 parameters combined with the
-    distributed optimizer.
+    non-positive parallel size, Megatron FSDP, MXFP8 parameters combined with the
+    distributed optimizer, and ``optimizer.overlap_param_gather=true`` (not wired).
     """
     p = f"{role}.megatron_cfg"
     unknown = sorted(set(options) - _TOP_KEYS)
@@ -94,6 +94,27 @@ def parse_options(options: Mapping[str, Any], *, role: str) -> MegatronOptions:
             "so gradients cannot stay resident while the parameters sleep",
             f"set {p}.optimizer.use_distributed_optimizer=false or {p}.fp8_param=false",
         )
+    if bool(opt.get("overlap_param_gather", False)):
+        # Overlapping the parameter all-gather with the next forward needs the distributed
+        # optimizer plus DDP's forward pre-hooks, and a model that sleeps between chunks
+        # would have to drain the pending all-gathers first; none of that is wired, so the
+        # option would silently do nothing. Refused instead of ignored.
+        why = (
+            "the Megatron backend runs the distributed optimizer's parameter all-gather "
+            "synchronously inside its step (parameters that sleep between chunks need it in "
+            "place), so the option would have no effect"
+        )
+        if not distopt:
+            why = (
+                "the parameter all-gather it overlaps exists only with "
+                f"{p}.optimizer.use_distributed_optimizer=true, and even then " + why
+            )
+        raise _bad(
+            f"{p}.optimizer.overlap_param_gather",
+            True,
+            why,
+            f"set {p}.optimizer.overlap_param_gather=false",
+        )
     sizes: dict[str, int] = {}
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         value = options.get(key, 1)
@@ -109,7 +130,7 @@ def parse_options(options: Mapping[str, Any], *, role: str) -> MegatronOptions:
     return MegatronOptions(
         **sizes,
         use_distributed_optimizer=distopt,
-        overlap_param_gather=bool(opt.get("overlap_param_gather", False)),
+        overlap_param_gather=False,  # True is refused above
         fp8_param=fp8_param,
         fp8_recipe=None if recipe is None else str(recipe),
         transformer_impl=impl,
