@@ -123,7 +123,7 @@ GPU_STEP_LIMITS = {
     "train-3-steps": 180,
 }
 _GPU_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONDONTWRITEBYTECODE": ""}
-# A 3-step run on one GPU: Megatron + Transformer Engine for both models, sglang
+# A 3-step run on one GPU: Megatron + Transformer Engine for both models in bfloat16, sglang
 # generating on the same GPU (colocated, so full-batch), a small Qwen2-shaped model.
 GPU_TRAIN_YAML = """\
 run: {name: gpu-check, num_steps: 3, checkpoint_every: 0, progress: false}
@@ -134,7 +134,7 @@ rollout: {engine: sglang, engine_kwargs: {mem_fraction_static: 0.2}, max_new_tok
 """
 _MODEL = (
     "hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2"
+    "num_attention_heads: 4, num_key_value_heads: 2, dtype: bfloat16"
 )
 _MEGATRON = "megatron_cfg: {enabled: true, transformer_impl: transformer_engine}"
 GPU_TRAIN_YAML += "".join(f"{role}: {{{_MODEL}, {_MEGATRON}}}\n" for role in ("policy", "critic"))

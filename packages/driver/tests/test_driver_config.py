@@ -88,6 +88,14 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
         pytest.param(["ppo.loss_agg=mean"], "ppo.loss_agg", "'token', 'sample'", id="loss-agg"),
         pytest.param(["oops"], "oops", "section.key=value", id="bad-override"),
         pytest.param(["my.yaml"], "--config", "pass it as --config my.yaml", id="file-as-override"),
+        pytest.param(
+            ["policy.dtype=bfloat16"],
+            "policy.dtype",
+            "set policy.megatron_cfg.enabled=true",
+            id="bf16-without-master-weights",
+        ),
+        pytest.param(["critic.dtype=float16"], "critic.dtype", "loss scaling", id="fp16"),
+        pytest.param(["critic.dtype=half"], "critic.dtype", "use one of", id="unknown-dtype"),
     ],
 )
 def test_each_invalid_config_names_key_value_and_fix(

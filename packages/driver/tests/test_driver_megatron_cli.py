@@ -17,12 +17,25 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from driver_testlib import TINY_RUN
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path) -> None:
+# The engine (an HF model fed by the Megatron -> HF refit) and the trainer compute the
+# same tokens' log-probs with the same weights. The k3 estimate of their KL is second
+# order in the per-token log-prob difference d (~d**2 / 2). float32: d ~1e-5 over this
+# model's few hundred accumulated terms per logit, so ~1e-10; bfloat16 (unit roundoff
+# 2**-8, two differently fused implementations rounding at every layer): d up to a few
+# 1e-2, so a few 1e-4. An engine holding other weights (a broken conversion, a missed
+# refit) gives ~1e-2 and more.
+KL_BOUND = {"float32": 1e-6, "bfloat16": 2e-3}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path, dtype: str) -> None:
     pytest.importorskip("megatron.core")
     run_dir = tmp_path / "run"
     cmd = [
@@ -35,6 +48,8 @@ def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path) -> None:
         "--no-progress",
         "policy.megatron_cfg.enabled=true",
         "critic.megatron_cfg.enabled=true",
+        f"policy.dtype={dtype}",
+        f"critic.dtype={dtype}",
         "run.num_steps=2",
         *TINY_RUN,
     ]
@@ -46,12 +61,7 @@ def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path) -> None:
     for row in rows:
         for key in ("loss/pg", "loss/value", "actor/grad_norm", "critic/grad_norm"):
             assert math.isfinite(row[key]), (key, row)
-        # The engine (an HF model fed by the Megatron -> HF refit) and the trainer compute
-        # the same tokens' log-probs with the same weights. Float32 over this model's few
-        # hundred accumulated terms per logit differs by ~1e-5 per token at most, and the
-        # k3 estimate is second order in that difference (~1e-10); an engine holding other
-        # weights (a broken conversion, a missed refit) gives ~1e-2 here.
-        assert abs(row["rollout/kl_engine_trainer"]) < 1e-6, row
+        assert abs(row["rollout/kl_engine_trainer"]) < KL_BOUND[dtype], row
 
     # The workers really ran Megatron: their checkpoints hold Megatron parameter names.
     latest = run_dir / "checkpoints" / "step_000002"
@@ -59,3 +69,6 @@ def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path) -> None:
         state = json.loads((latest / role / "rank00000" / "state.json").read_text())
         names = list(state["backend"]["model"])
         assert any(n.startswith("decoder.layers.") for n in names), (role, names[:5])
+        weights = load_file(latest / role / "rank00000" / "state.safetensors")
+        layer = next(v for k, v in weights.items() if "decoder.layers." in k)
+        assert layer.dtype == getattr(torch, dtype), (role, layer.dtype)

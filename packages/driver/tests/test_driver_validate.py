@@ -1044,6 +1044,16 @@ def test_megatron_enabled_with_defaults_is_valid() -> None:
 
 
 @needs_megatron
+def test_bfloat16_with_megatron_reaches_every_model_spec() -> None:
+    from ppo_driver.config import trainer_configs
+
+    cfg, report = load_config(None, [*MEGATRON, "policy.dtype=bfloat16", "critic.dtype=bfloat16"])
+    assert report.ok, report.errors
+    actor, critic = trainer_configs(cfg, vocab_size=64)
+    assert actor.model.dtype == critic.model.dtype == "bfloat16"
+
+
+@needs_megatron
 def test_megatron_tp2_on_two_gpus_is_valid() -> None:
     _, report = load_config(
         None,

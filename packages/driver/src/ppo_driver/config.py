@@ -177,6 +177,9 @@ class ModelConfig:
     # auto | host_copy | memory_saver: how sleep moves the model off its device (auto:
     # memory_saver on CUDA with torch_memory_saver and the torch backend, else host_copy)
     offload_backend: str = "auto"
+    # float32 | bfloat16: the weights' dtype (the engine's too). bfloat16 needs
+    # megatron_cfg.enabled (bf16 compute, fp32 master weights in the optimizer)
+    dtype: str = "float32"
     megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
 
 
@@ -642,13 +645,14 @@ _ACTOR_PPO_FIELDS = (
     "entropy_coef",
 )
 _CRITIC_PPO_FIELDS = ("value_clip",)
-_MODEL_FIELDS = (
+_SIZE_FIELDS = (
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
     "num_key_value_heads",
 )
+_MODEL_FIELDS = (*_SIZE_FIELDS, "dtype")  # dtype applies to a model_path's weights too
 
 
 def _section(role: Role) -> str:
@@ -822,6 +826,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     _check_rules(r, cfg)
     _check_trainer(r, cfg)
     _check_offload_backend(r, cfg)
+    _check_dtype(r, cfg)
     mesh_ok = _check_megatron(r, cfg)
     _check_layout(r, cfg)
     if mesh_ok:
@@ -1133,6 +1138,40 @@ def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
         fallback=_critic_kwargs(default, samples_per_rank=1),
         section="critic",
     )
+
+
+def _check_dtype(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``policy/critic.dtype``: half precision only where the optimizer keeps float32
+    master weights (Megatron). The torch backend steps AdamW on the parameters in their
+    own dtype, where an update below bfloat16's resolution (lr 1e-6 on weights ~1e-2)
+    rounds away: the run would look healthy and not learn. float16 is refused too: its
+    loss scaling stops the run at the first overflow instead of skipping the step.
+    Unknown names are the trainer's ``ModelSpec`` check (same key)."""
+    for section in ("policy", "critic"):
+        m: ModelConfig = getattr(cfg, section)
+        key = f"{section}.dtype"
+        if m.dtype == "float16":
+            r.errors.append(
+                ConfigProblem(
+                    key,
+                    m.dtype,
+                    "float16 training needs dynamic loss scaling that skips overflowing "
+                    "steps; here an overflow stops the run",
+                    f"set {key}=bfloat16 (with {section}.megatron_cfg.enabled=true) or float32",
+                )
+            )
+        elif m.dtype == "bfloat16" and not m.megatron_cfg.enabled:
+            r.errors.append(
+                ConfigProblem(
+                    key,
+                    m.dtype,
+                    "the torch backend keeps no float32 master weights: AdamW updates "
+                    "smaller than bfloat16's resolution are lost and the model stops "
+                    "learning",
+                    f"set {section}.megatron_cfg.enabled=true (bf16 compute, fp32 master "
+                    f"weights), or {key}=float32",
+                )
+            )
 
 
 def _check_offload_backend(r: ValidationReport, cfg: DriverConfig) -> None:
@@ -1661,7 +1700,7 @@ def _check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict
         if source in configs:
             out[role] = configs[source]
         where = f"{source}.model_path"
-        for name in _MODEL_FIELDS:
+        for name in _SIZE_FIELDS:
             value, default = getattr(cfg.model(role), name), getattr(ModelConfig(), name)
             if value != default:
                 r.warnings.append(
