@@ -361,6 +361,9 @@ class EmbeddedEngine:
             import ray
 
             local = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        stale = self._groups.pop(group_name, None)  # the same name joined again
+        if stale is not None:
+            stale.close()
         self._groups[group_name] = connect_group(
             store=None,
             master_addr=master_addr,
@@ -372,7 +375,9 @@ class EmbeddedEngine:
         )
 
     def close_refit_group(self, *, group_name: str) -> None:
-        self._groups.pop(group_name, None)
+        group = self._groups.pop(group_name, None)
+        if group is not None:
+            group.close()
 
     def receive_weights(self, *, group_name: str) -> int:
         group = self._groups.get(group_name)

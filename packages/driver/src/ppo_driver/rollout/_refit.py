@@ -91,6 +91,23 @@ class RefitGroup:
     device: torch.device
     store: Any
 
+    def close(self) -> None:
+        """Tear the group down now. NCCL: ``shutdown()`` (what ``destroy_process_group``
+        does), ``abort()`` if that fails; dropped without either, the communicator is
+        aborted by its destructor on whatever thread lets go of it, with a warning, and
+        a failure there (a peer that died) ends the process instead of raising. Gloo
+        holds sockets only: dropping it closes them."""
+        if self.device.type != "cuda":
+            return
+        try:
+            self.pg.shutdown()
+        except Exception:  # a peer gone, a timeout: abort instead
+            _log.warning("refit group: NCCL shutdown failed; aborting it", exc_info=True)
+            try:
+                self.pg.abort()
+            except Exception:
+                _log.warning("refit group: NCCL abort failed too", exc_info=True)
+
 
 def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
     """The master TCP store (rank 0) on a free port of ``host``, listening there only
@@ -201,7 +218,10 @@ def receive_state_dict(*, group: RefitGroup) -> tuple[int, dict[str, torch.Tenso
         _broadcast(group, flat)
         offset = 0
         for i, shape, dtype, nb in zip(bucket, shapes, dtypes, nbytes, strict=True):
-            out[specs[i]["name"]] = flat[offset : offset + nb].view(dtype).reshape(shape).clone()
+            # bytes first, then the dtype: the tensors lie back to back, so one may start
+            # at an offset its dtype cannot view (a float32 after a bfloat16[5]); the copy
+            # (needed anyway, to free the bucket) starts at 0
+            out[specs[i]["name"]] = flat[offset : offset + nb].clone().view(dtype).reshape(shape)
             offset += nb
     return int(header["version"]), out
 
@@ -221,6 +241,8 @@ def sender_open(
     old = _SENDERS.pop(group_name, None)
     if old is not None:
         _log.info("refit group %r re-opened; dropping the old one", group_name)
+        if old[1] is not None:
+            old[1].close()
     store, port = open_store(host=host, world_size=world_size, timeout_s=timeout_s)
     _SENDERS[group_name] = (store, None)
     return port
@@ -281,8 +303,10 @@ def sender_resend(
 
 
 def sender_close(_worker: Any, *, group_name: str) -> None:
-    """Drop ``group_name`` (its store and transport sockets close)."""
-    _SENDERS.pop(group_name, None)
+    """Close ``group_name`` (:meth:`RefitGroup.close`; its store's socket closes)."""
+    old = _SENDERS.pop(group_name, None)
+    if old is not None and old[1] is not None:
+        old[1].close()
 
 
 def peer_export(worker: Any) -> None:

@@ -460,7 +460,9 @@ class SglangEngine:
         return self.weight_version
 
     def close_refit_group(self, *, group_name: str) -> None:
-        self._groups.pop(group_name, None)
+        group = self._groups.pop(group_name, None)
+        if group is not None:
+            group.close()
 
     def init_refit_group(
         self,
@@ -477,6 +479,9 @@ class SglangEngine:
             import ray
 
             local = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        stale = self._groups.pop(group_name, None)  # the same name joined again
+        if stale is not None:
+            stale.close()
         self._groups[group_name] = connect_group(
             store=None,
             master_addr=master_addr,
