@@ -146,7 +146,13 @@ def connect_group(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         raise ValueError(f"refit backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
-    return RefitGroup(pg=pg, rank=rank, world_size=world_size, device=device, store=store)
+    group = RefitGroup(pg=pg, rank=rank, world_size=world_size, device=device, store=store)
+    if backend == "nccl":
+        # NCCL connects at a group's first collective: one here makes joining the group
+        # the rendezvous (as gloo's constructor is), so an engine that is missing fails
+        # set-up, not the first refit. Every rank calls this once per group.
+        _broadcast(group, torch.zeros(1, device=device))
+    return group
 
 
 def _broadcast(group: RefitGroup, tensor: torch.Tensor) -> None:
