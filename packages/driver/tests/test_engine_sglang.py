@@ -125,16 +125,20 @@ def test_sglang_engine_generates_refits_and_sleeps(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices: NCCL refuses two ranks on one GPU (the driver refits "
+    "over gloo when trainer and engine share one)",
+)
 def test_nccl_refit_into_embedded_engine_on_gpu() -> None:
     import ray
     from ppo_driver.rollout import WeightRefitter, launch_embedded_engines, tiny_qwen2_config
     from ppo_placement import shutdown_local_ray, start_local_ray
 
-    start_local_ray(num_gpus=1, num_cpus=4)
+    start_local_ray(num_gpus=2, num_cpus=4)
     try:
 
-        @ray.remote(num_gpus=0.5)
+        @ray.remote(num_gpus=1)
         class Holder:
             def __init__(self) -> None:
                 from ppo_driver.rollout import build_model
@@ -146,7 +150,7 @@ def test_nccl_refit_into_embedded_engine_on_gpu() -> None:
 
         holder = Holder.remote()  # type: ignore[attr-defined]
         (engine,) = launch_embedded_engines(
-            1, model=tiny_qwen2_config(), run_seed=0, num_gpus=0.5, device="cuda"
+            1, model=tiny_qwen2_config(), run_seed=0, num_gpus=1, device="cuda"
         )
         stats = WeightRefitter(actor=holder, engines=[engine], backend="nccl").refit(version=1)
         assert stats.transport == "nccl" and ray.get(engine.health.remote()).weight_version == 1
