@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,3 +224,33 @@ def assert_same_checkpoint(ref_run: Path, got_run: Path, step: int, *, samples: 
         used = assert_same_role(got, ref, samples=samples, grad_norm=norm)
         shown = ", ".join(f"{k} {v:.3g}" for k, v in used.items())
         print(f"{ckpt.name} {role} ({ref.steps} Adam steps): |diff| / bound: {shown}")
+
+
+@contextmanager
+def gloo_refit_pair() -> Iterator[Any]:
+    """A two-rank weight-refit group over gloo on loopback, both ranks in this process
+    (rank 1 joins on a thread). Yields ``send(tensors, version) -> (version, received,
+    stats)``; the groups and the store stay open until the block ends (their port is
+    ``send.port``)."""
+    from ppo_driver.rollout import (
+        broadcast_state_dict,
+        connect_group,
+        open_store,
+        receive_state_dict,
+    )
+
+    store, port = open_store(host="127.0.0.1", world_size=2, timeout_s=60)
+    kw = {"master_addr": "127.0.0.1", "world_size": 2, "backend": "gloo", "timeout_s": 60}
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(connect_group, store=None, master_port=port, rank=1, **kw)
+        sender = connect_group(store=store, master_port=0, rank=0, **kw)
+        receiver = joining.result(timeout=120)
+
+        def send(tensors: Mapping[str, torch.Tensor], version: int) -> tuple[int, Any, Any]:
+            received = pool.submit(receive_state_dict, group=receiver)
+            stats = broadcast_state_dict(dict(tensors), group=sender, version=version)
+            got_version, got = received.result(timeout=120)
+            return got_version, got, stats
+
+        send.port = port  # type: ignore[attr-defined]
+        yield send

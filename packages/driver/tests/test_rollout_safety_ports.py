@@ -14,19 +14,13 @@ import json
 import os
 import sys
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ppo_driver.rollout import (
-    broadcast_state_dict,
-    connect_group,
-    open_store,
-    receive_state_dict,
-)
+from driver_testlib import gloo_refit_pair
 from ppo_driver.workers import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -114,20 +108,12 @@ def test_scan_sees_a_listener_on_every_interface() -> None:
 
 
 def test_refit_store_and_gloo_transport_listen_on_loopback_only() -> None:
-    store, port = open_store(host="127.0.0.1", world_size=2, timeout_s=60)
-    kw = {"master_addr": "127.0.0.1", "world_size": 2, "backend": "gloo", "timeout_s": 60}
-    with ThreadPoolExecutor(1) as pool:  # rank 1 in a thread: both ranks in this process
-        joining = pool.submit(connect_group, store=None, master_port=port, rank=1, **kw)
-        sender = connect_group(store=store, master_port=0, rank=0, **kw)
-        receiver = joining.result(timeout=120)
-        received = pool.submit(receive_state_dict, group=receiver)
-        broadcast_state_dict({"w": torch.arange(6.0)}, group=sender, version=7)
-        version, tensors = received.result(timeout=120)
-    assert version == 7 and tensors["w"].tolist() == list(range(6))
-    found = listening_sockets([os.getpid()])
-    assert port in {p for _, _, p in found}  # the scan sees the store
-    assert [s for s in found if not is_loopback(s[1])] == []
-    del sender, receiver, store
+    with gloo_refit_pair() as send:
+        version, tensors, _ = send({"w": torch.arange(6.0)}, 7)
+        assert version == 7 and tensors["w"].tolist() == list(range(6))
+        found = listening_sockets([os.getpid()])
+        assert send.port in {p for _, _, p in found}  # the scan sees the store
+        assert [s for s in found if not is_loopback(s[1])] == []
 
 
 def _rank_main(rank: int, backend: str, init: str, out_dir: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from driver_testlib import gloo_refit_pair
 from ppo_driver.rollout import (
     CharTokenizer,
     EmbeddedEngine,
@@ -397,35 +398,18 @@ def test_a_bucket_of_mixed_dtypes_round_trips_over_gloo() -> None:
     # One byte bucket holds the tensors back to back: a bfloat16[5] ends at byte 10, so
     # the float32 after it starts at an offset that is not a multiple of 4 (a bf16 policy
     # with float32 norms, as megatron's local spec keeps them).
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ppo_driver.rollout._refit import (
-        broadcast_state_dict,
-        connect_group,
-        open_store,
-        receive_state_dict,
-    )
-
     sent = {
         "b": torch.arange(5, dtype=torch.bfloat16),
         "f": torch.tensor([1.5, -2.0, 3.25]),
         "h": torch.tensor([0.5], dtype=torch.float16),
         "i": torch.tensor([[7, -8]], dtype=torch.int64),
     }
-    store, port = open_store(host="127.0.0.1", world_size=2, timeout_s=60)
-    kw = {"master_addr": "127.0.0.1", "world_size": 2, "backend": "gloo", "timeout_s": 60}
-    with ThreadPoolExecutor(1) as pool:  # rank 1 in a thread: both ranks in this process
-        joining = pool.submit(connect_group, store=None, master_port=port, rank=1, **kw)
-        sender = connect_group(store=store, master_port=0, rank=0, **kw)
-        receiver = joining.result(timeout=120)
-        received = pool.submit(receive_state_dict, group=receiver)
-        stats = broadcast_state_dict(sent, group=sender, version=3)
-        version, got = received.result(timeout=120)
+    with gloo_refit_pair() as send:
+        version, got, stats = send(sent, 3)
     assert version == 3 and stats["buckets"] == 1
     assert got.keys() == sent.keys()
     for name, tensor in sent.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    del sender, receiver, store
 
 
 # -- replay buffer -------------------------------------------------------------------------------
