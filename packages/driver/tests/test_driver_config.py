@@ -95,7 +95,6 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
             id="bf16-without-master-weights",
         ),
         pytest.param(["critic.dtype=float16"], "critic.dtype", "loss scaling", id="fp16"),
-        pytest.param(["critic.dtype=half"], "critic.dtype", "use one of", id="unknown-dtype"),
     ],
 )
 def test_each_invalid_config_names_key_value_and_fix(

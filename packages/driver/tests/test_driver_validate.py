@@ -172,6 +172,13 @@ AGREEMENT = [
         "must divide",
         lambda: ModelSpec(num_key_value_heads=3),
     ),
+    Case(
+        "ModelSpec.dtype",
+        ("critic.dtype=half",),
+        "critic.dtype",
+        "use one of",
+        lambda: ModelSpec(dtype="half"),
+    ),
     # --- ActorConfig / CriticConfig: the optimizer of each model ------------------------
     Case(
         "ActorConfig.lr",
@@ -456,6 +463,20 @@ AGREEMENT = [
         megatron=True,
     ),
     Case(
+        "MegatronOptions.overlap_param_gather",
+        (
+            *MEGATRON,
+            "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+            "policy.megatron_cfg.optimizer.overlap_param_gather=true",
+        ),
+        "policy.megatron_cfg.optimizer.overlap_param_gather",
+        "not supported",
+        lambda: _parse(
+            {"optimizer": {"use_distributed_optimizer": True, "overlap_param_gather": True}}
+        ),
+        megatron=True,
+    ),
+    Case(
         "MegatronOptions.use_distributed_optimizer",
         (*MEGATRON, *MXFP8, "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"),
         "policy.megatron_cfg.optimizer.use_distributed_optimizer",
@@ -592,7 +613,6 @@ NOT_FROM_YAML = {
     "ModelSpec.rms_norm_eps": "the package default",
     "ModelSpec.tie_word_embeddings": "the package default",
     "ModelSpec.seed": "run.seed (any int)",
-    "ModelSpec.dtype": "the package default",
     "model": "the ModelSpec rows",
     "backend": "'torch' or 'megatron', from megatron_cfg.enabled",
     "backend_options": "the megatron_cfg section: the parse_options rows",
@@ -606,7 +626,6 @@ NOT_FROM_YAML = {
     "placement_layout.rollout_external": "not a driver setting",
     "placement_layout.train_only": "not a driver setting",
     "placement_layout.rollout_only": "not a driver setting",
-    "MegatronOptions.overlap_param_gather": "accepted whatever the value (validate has its own rule)",
     "MegatronOptions.fp8_recipe": "accepted whatever the string (validate checks the names)",
     "MegatronOptions.seed": "not a driver key: the model seed",
     "MegatronOptions.prefix": "not a key: the role's section",

@@ -1295,7 +1295,7 @@ def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> bool:
     for role in enabled:
         if why is None:
             _check_megatron_options(r, cfg, role)
-        _check_megatron_rules(r, cfg, role)
+        _check_megatron_rules(r, cfg, role, parsed=why is None)
         mesh_ok &= _check_mesh(r, cfg, role)
     _check_megatron_pair(r, cfg)
     return mesh_ok
@@ -1427,34 +1427,33 @@ def _check_megatron_options(r: ValidationReport, cfg: DriverConfig, role: Role) 
         )
 
 
-def _check_megatron_rules(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
-    """What the option parser accepts but Megatron does not use, or refuses only when
-    it builds the model: ``overlap_param_gather`` and the FP8 recipe."""
+def _check_megatron_rules(
+    r: ValidationReport, cfg: DriverConfig, role: Role, *, parsed: bool
+) -> None:
+    """What Megatron refuses only when it builds the model (the FP8 recipe), and, where
+    the option parser could not run (``parsed`` false: the extra is missing), the
+    ``overlap_param_gather`` rule it applies itself, so every problem is still named."""
     mc = cfg.model(role).megatron_cfg
     p = f"{role}.megatron_cfg"
-    if mc.optimizer.overlap_param_gather and not mc.optimizer.use_distributed_optimizer:
-        r.errors.append(
-            ConfigProblem(
-                f"{p}.optimizer.overlap_param_gather",
-                True,
-                "the parameter all-gather it overlaps exists only with the distributed "
-                "optimizer (megatron-core silently ignores it otherwise; Megatron-LM "
-                "refuses the combination)",
-                f"set {p}.optimizer.overlap_param_gather=false, or "
-                f"{p}.optimizer.use_distributed_optimizer=true",
-            )
-        )
-    elif mc.optimizer.overlap_param_gather:
-        r.errors.append(
-            ConfigProblem(
-                f"{p}.optimizer.overlap_param_gather",
-                True,
+    if mc.optimizer.overlap_param_gather and not parsed:
+        if mc.optimizer.use_distributed_optimizer:
+            why = (
                 "not supported: the trainer runs the distributed optimizer's parameter "
                 "all-gather synchronously (parameters that sleep between chunks need it in "
-                "place)",
-                f"set {p}.optimizer.overlap_param_gather=false",
+                "place)"
             )
-        )
+            fix = f"set {p}.optimizer.overlap_param_gather=false"
+        else:
+            why = (
+                "the parameter all-gather it overlaps exists only with the distributed "
+                "optimizer (megatron-core silently ignores it otherwise; Megatron-LM "
+                "refuses the combination)"
+            )
+            fix = (
+                f"set {p}.optimizer.overlap_param_gather=false, or "
+                f"{p}.optimizer.use_distributed_optimizer=true"
+            )
+        r.errors.append(ConfigProblem(f"{p}.optimizer.overlap_param_gather", True, why, fix))
     if mc.fp8_recipe is not None and mc.fp8_recipe.lower() not in FP8_RECIPES:
         r.errors.append(
             ConfigProblem(
