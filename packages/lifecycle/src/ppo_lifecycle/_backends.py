@@ -918,11 +918,13 @@ class TorchMemorySaverBackend:
     def reload(self, part: Part) -> int:
         assert part in self._paused, f"{part} resumed without being paused"
         tag = self.tag(part)
-        self._require_free(sum(n for _, n in self._paused[part]), f"waking {part.value}")
+        nbytes = sum(n for _, n in self._paused[part])
+        self._require_free(nbytes, f"waking {part.value}")
         self._tms.resume(tag)
         self._paused_tags.discard(tag)
         torch.cuda.synchronize(self.device)
-        return sum(n for _, n in self._paused.pop(part))
+        del self._paused[part]
+        return nbytes
 
     def offloaded_keys(self) -> frozenset[int]:
         return frozenset(key for items in self._paused.values() for key, _ in items)

@@ -361,9 +361,7 @@ class EmbeddedEngine:
             import ray
 
             local = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-        stale = self._groups.pop(group_name, None)  # the same name joined again
-        if stale is not None:
-            stale.close()
+        self.close_refit_group(group_name=group_name)  # the same name joined again
         self._groups[group_name] = connect_group(
             store=None,
             master_addr=master_addr,

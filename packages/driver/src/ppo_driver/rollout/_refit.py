@@ -244,11 +244,9 @@ def sender_open(
     _worker: Any, *, group_name: str, host: str, world_size: int, timeout_s: float
 ) -> int:
     """Open the master store for ``group_name`` in this process; returns its port."""
-    old = _SENDERS.pop(group_name, None)
-    if old is not None:
-        _log.info("refit group %r re-opened; dropping the old one", group_name)
-        if old[1] is not None:
-            old[1].close()
+    if group_name in _SENDERS:
+        _log.info("refit group %r re-opened; closing the old one", group_name)
+        sender_close(_worker, group_name=group_name)
     store, port = open_store(host=host, world_size=world_size, timeout_s=timeout_s)
     _SENDERS[group_name] = (store, None)
     return port

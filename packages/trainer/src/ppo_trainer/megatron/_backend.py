@@ -583,10 +583,11 @@ class MegatronTrainModel(MegatronFrozenModel):
         # The mixed-precision optimizers' fp32 main parameters (Float16Optimizer's
         # main_param, the distributed optimizer's shard_main_param) are neither module
         # parameters nor optimizer state, yet hold 4 bytes per parameter (per shard with
-        # the distributed optimizer): they sleep with the optimizer. Under float32 the inner optimizer steps the model's own parameters
-        # (or views of DDP's param buffer), which the PARAMETERS part already moves and
-        # which must not be listed twice: only storages of their own count. Fixed here:
-        # the optimizer keeps these tensors (checkpoint loads copy into them).
+        # the distributed optimizer): they sleep with the optimizer. Under float32 the
+        # inner optimizer steps the model's own parameters (or views of DDP's param
+        # buffer), which the PARAMETERS part already moves and which must not be listed
+        # twice: only storages of their own count. Listed once, here: the optimizer keeps
+        # these tensors (checkpoint loads copy into them).
         model_storages = {
             t.untyped_storage().data_ptr() for t in (*gpt.parameters(), *gpt.buffers())
         }
@@ -668,11 +669,7 @@ class MegatronTrainModel(MegatronFrozenModel):
         are complete, and :meth:`grad_norm` then reports the overflow as ``inf`` so that
         every rank refuses the step alike (the flag is reduced over all ranks).
         """
-        finite = [
-            torch.isfinite(g).all()
-            for _, p in self._named_params()
-            if (g := getattr(p, "main_grad", None)) is not None
-        ]
+        finite = [torch.isfinite(g).all() for g in self._main_grads()]
         ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
         bad = (~ok).to(device=self.device, dtype=torch.float32)  # one sync, not one per tensor
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -688,6 +685,12 @@ class MegatronTrainModel(MegatronFrozenModel):
                 self._loss_scale(),
             )
 
+    def _main_grads(self) -> list[torch.Tensor]:
+        """This rank's DDP gradient buffers (``main_grad`` views), in parameter order."""
+        return [
+            g for _, p in self._named_params() if (g := getattr(p, "main_grad", None)) is not None
+        ]
+
     def scale_grads(self, factor: float) -> None:
         # Rescales the local, not yet reduced main_grad buffers in place (megatron DDP's own
         # grad-buffer scaling), so a denominator known only at finish_step stays exact.
@@ -702,11 +705,7 @@ class MegatronTrainModel(MegatronFrozenModel):
         # one (an overflow found by all_reduce_grads reads as inf: the step is refused).
         if self._overflow:
             return float("inf")
-        norms = [
-            torch.linalg.vector_norm(g)
-            for _, p in self._named_params()
-            if (g := getattr(p, "main_grad", None)) is not None
-        ]
+        norms = [torch.linalg.vector_norm(g) for g in self._main_grads()]
         if not norms:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack(norms))) / self._loss_scale()
