@@ -433,13 +433,11 @@ class SglangEngine:
                     except Exception:  # the update's own error is the one to report
                         _log.exception("engine %s: end_weight_update failed", self.engine_id)
                 raise
-            if begin is not None:
-                ended = self.engine.end_weight_update()
+            ended = self.engine.end_weight_update() if begin is not None else None
             _check_sglang_result(result, call=call, engine_id=self.engine_id, version=version)
-            if begin is not None:
-                _check_sglang_result(
-                    ended, call="end_weight_update", engine_id=self.engine_id, version=version
-                )
+            _check_sglang_result(  # None (no session) passes
+                ended, call="end_weight_update", engine_id=self.engine_id, version=version
+            )
 
         with self._lock:
             self._resume_weights()
