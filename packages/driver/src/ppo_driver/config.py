@@ -1147,8 +1147,8 @@ def _check_dtype(r: ValidationReport, cfg: DriverConfig) -> None:
     rounds away: the run would look healthy and not learn. float16 is refused too: its
     loss scaling stops the run at the first overflow instead of skipping the step.
     Unknown names are the trainer's ``ModelSpec`` check (same key)."""
-    for section in ("policy", "critic"):
-        m: ModelConfig = getattr(cfg, section)
+    for section in ROLES:
+        m = cfg.model(section)
         key = f"{section}.dtype"
         if m.dtype == "float16":
             r.errors.append(
