@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 from ppo_driver.cli import main
-from ppo_driver.config import ConfigError, DriverConfig, load_config, trainer_configs
+from ppo_driver.config import (
+    ConfigError,
+    DriverConfig,
+    cluster_layout,
+    load_config,
+    local_num_cpus,
+    trainer_configs,
+)
 
 
 def test_default_config_is_valid_and_streams() -> None:
@@ -95,6 +102,12 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
             id="bf16-without-master-weights",
         ),
         pytest.param(["critic.dtype=float16"], "critic.dtype", "loss scaling", id="fp16"),
+        pytest.param(
+            ["cluster.rollout_gpus=3", "cluster.num_cpus=3"],
+            "cluster.num_cpus",
+            "at least 4",
+            id="fewer-cpus-than-bundles",
+        ),
     ],
 )
 def test_each_invalid_config_names_key_value_and_fix(
@@ -110,6 +123,12 @@ def test_each_invalid_config_names_key_value_and_fix(
     assert problems, str(info.value)
     text = str(problems[0])
     assert words in text and "fix:" in text and key in text
+
+
+def test_default_local_cpus_cover_every_bundle() -> None:
+    # 1 + 8 bundles of 1 GPU + 1 CPU: the default CPUs must let the placement group form.
+    cfg, _ = load_config(None, ["cluster.rollout_gpus=8"])
+    assert local_num_cpus(cfg, cluster_layout(cfg)) == 9
 
 
 def test_streaming_accepts_token_aggregation() -> None:

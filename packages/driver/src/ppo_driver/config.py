@@ -2014,15 +2014,38 @@ def cuda_device_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
+def local_num_cpus(cfg: DriverConfig, layout: Layout) -> int:
+    """The CPUs of the local Ray cluster ``train`` starts: ``cluster.num_cpus``, or by
+    default enough for every bundle (one CPU each) and at least
+    ``max(4, 2 * actor_gpus + num_engines)``."""
+    if cfg.cluster.num_cpus is not None:
+        return cfg.cluster.num_cpus
+    return max(4, 2 * cfg.cluster.actor_gpus + cfg.rollout.num_engines, layout.num_gpus)
+
+
 def _check_local_gpus(r: ValidationReport, cfg: DriverConfig) -> None:
-    """``cluster.logical_gpus=false``: the local cluster offers the machine's CUDA devices,
-    which must be at least the bundles the layout reserves."""
-    if cfg.cluster.logical_gpus:
-        return
+    """The local cluster: each bundle the layout reserves takes one CPU of
+    ``cluster.num_cpus`` and one GPU (``cluster.logical_gpus=false``: one of the machine's
+    CUDA devices)."""
     try:
         needed = cluster_layout(cfg).num_gpus
     except ValueError:
         return  # the layout's own error is reported already
+    num_cpus = cfg.cluster.num_cpus
+    if num_cpus is not None and 0 < num_cpus < needed:
+        r.errors.append(
+            ConfigProblem(
+                "cluster.num_cpus",
+                num_cpus,
+                f"the layout reserves {needed} bundle(s) of 1 GPU + 1 CPU "
+                f"(cluster.actor_gpus={cfg.cluster.actor_gpus}, "
+                f"cluster.rollout_gpus={cfg.cluster.rollout_gpus}), more than the local "
+                "cluster's CPUs: the placement group could never be created",
+                f"set cluster.num_cpus to at least {needed}, or null (enough for the layout)",
+            )
+        )
+    if cfg.cluster.logical_gpus:
+        return
     have = cuda_device_count()
     if have < needed:
         r.errors.append(

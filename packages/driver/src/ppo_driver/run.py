@@ -60,6 +60,7 @@ from ppo_driver.config import (
     DriverConfig,
     cluster_layout,
     cuda_device_count,
+    local_num_cpus,
     sampler_config,
     trainer_configs,
 )
@@ -264,8 +265,7 @@ def _connect_cluster(
             on_exit("ray.shutdown", ray.shutdown)
         start_local_ray(
             num_gpus=layout.num_gpus if cfg.cluster.logical_gpus else cuda_device_count(),
-            num_cpus=cfg.cluster.num_cpus
-            or max(4, cfg.cluster.actor_gpus * 2 + cfg.rollout.num_engines),
+            num_cpus=local_num_cpus(cfg, layout),
         )
         return
     try:
@@ -765,7 +765,10 @@ def _build(
 
     tokenizer = workload.tokenizer
     actor_cfg, critic_cfg = trainer_configs(cfg, vocab_size=tokenizer.vocab_size)
-    placement = SharedPlacement(layout).create()  # actor rank r and critic rank r: bundle r
+    try:
+        placement = SharedPlacement(layout).create()  # actor rank r and critic rank r: bundle r
+    except TimeoutError as exc:  # resources taken by others on a joined cluster
+        raise StartupError(f"cluster: {exc}") from None
     on_exit("placement teardown", placement.teardown)
     actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
     on_exit("actor workers", actor.kill)
