@@ -1009,6 +1009,19 @@ def test_model_path_needs_config_json(tmp_path: Path) -> None:
     assert problems and "config.json" in str(problems[0])
 
 
+def test_a_config_json_transformers_cannot_read_is_refused(tmp_path: Path) -> None:
+    # Valid JSON, but AutoConfig (what every worker calls) raises on it.
+    model = make_model_dir(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}  # keys missing
+    config["rope_parameters"] = config["rope_scaling"]
+    (model / "config.json").write_text(json.dumps(config))
+    problems = [
+        str(p) for p in _errors([f"policy.model_path={model}"]) if p.key == "policy.model_path"
+    ]
+    assert problems and "transformers cannot read" in problems[0], problems
+
+
 def test_existing_paths_are_accepted(tmp_path: Path, reward_module: str) -> None:
     # a real model directory: config.json, safetensors weights and its tokenizer
     model = make_model_dir(tmp_path / "m")
@@ -1049,6 +1062,45 @@ def test_megatron_layout_uses_the_checkpoint_shape(tmp_path: Path) -> None:
     )
     tp = [p for p in errors if p.key == "policy.megatron_cfg.tensor_model_parallel_size"]
     assert tp and "3" in tp[0].message and "config.json" in tp[0].message
+
+
+@needs_megatron
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        pytest.param(
+            {
+                "model_type": "llama",
+                "max_position_embeddings": 4096,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 1024,
+                },
+            },
+            "rope_type='llama3'",
+            id="llama3-rope",
+        ),
+        pytest.param({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'", id="moe"),
+        pytest.param(
+            {"model_type": "llama", "attention_bias": True}, "attention_bias=True", id="o-bias"
+        ),
+    ],
+)
+def test_megatron_refuses_a_model_it_cannot_build(
+    tmp_path: Path, config: dict[str, Any], words: str
+) -> None:
+    # The backend refuses these when it builds the model inside a Ray worker; validate
+    # must refuse them first (the same ppo_trainer.megatron.model_config_problems).
+    shape = {"num_attention_heads": 4, "num_hidden_layers": 2, "hidden_size": 32}
+    model = _hf_dir(tmp_path / "m", vocab_size=64, **shape, **config)
+    errors = _errors([*MEGATRON, f"critic.model_path={model}"])
+    problems = [str(p) for p in errors if p.key == "critic.model_path" and words in str(p)]
+    assert problems, errors
+    assert "critic.megatron_cfg.enabled=false" in problems[0]
+    assert not [p for p in errors if p.key == "policy.model_path"]  # the built-in: fine
 
 
 # --------------------------------------------------------------------------- Megatron

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 mg = pytest.importorskip("ppo_trainer.megatron", reason="needs the megatron extra")
 
@@ -30,6 +31,7 @@ from ppo_trainer import (  # noqa: E402
 )
 from ppo_trainer._torch_backend import build_causal_lm, build_value_model  # noqa: E402
 from ppo_trainer.megatron import _convert  # noqa: E402
+from ppo_trainer.megatron._backend import _layout  # noqa: E402
 from trainer_testlib import (  # noqa: E402
     adam_step_bound,
     assert_within,
@@ -728,3 +730,22 @@ def test_sleep_offloads_the_fp32_main_params(options: dict[str, object]) -> None
     a, b = awake.export_weights(), slept.export_weights()
     for name in a:
         assert torch.equal(b[name], a[name]), name
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+    ],
+)
+def test_a_llama_variant_the_backend_cannot_build_is_named(
+    config: dict[str, Any], words: str
+) -> None:
+    hf = LlamaConfig(hidden_size=32, num_attention_heads=4, **config)
+    assert [p for p in mg.model_config_problems(hf) if words in p]
+    with pytest.raises(ValueError, match=words):
+        _layout(hf, te=False, critic=False)
+    assert mg.model_config_problems(LlamaConfig(hidden_size=32, num_attention_heads=4)) == []

@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import transformers
 import yaml
 from ppo_placement import Layout, SharedPlacement, check_streaming_layout, placement_layout
 from ppo_sampler import SamplerConfig, group_alignment, single_chunk_only
@@ -1295,10 +1296,39 @@ def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> bool:
     for role in enabled:
         if why is None:
             _check_megatron_options(r, cfg, role)
+            _check_megatron_model(r, cfg, role)
         _check_megatron_rules(r, cfg, role, parsed=why is None)
         mesh_ok &= _check_mesh(r, cfg, role)
     _check_megatron_pair(r, cfg)
     return mesh_ok
+
+
+def _check_megatron_model(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
+    """The checkpoint ``role`` is built from is one the megatron backend builds
+    (``ppo_trainer.megatron.model_config_problems``: the Llama / Qwen2 family with plain
+    RoPE); the built-in tiny model always is."""
+    from ppo_trainer.megatron import MODEL_FAMILY, model_config_problems  # lazy: the extra
+
+    source = model_path(cfg, role)
+    if source is None:
+        return
+    key = f"{role}.model_path" if cfg.model(role).model_path is not None else "policy.model_path"
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(source)
+    except Exception:  # reported by _check_model_dirs
+        return
+    problems = model_config_problems(hf_config)
+    if problems:
+        r.errors.append(
+            ConfigProblem(
+                key,
+                source,
+                f"the {role}'s model cannot be built by the megatron backend: "
+                f"{'; '.join(problems)}",
+                f"use a {'/'.join(MODEL_FAMILY)} model with plain RoPE, or set "
+                f"{role}.megatron_cfg.enabled=false (the torch backend builds any causal LM)",
+            )
+        )
 
 
 def _megatron_import_error() -> str | None:
@@ -1686,6 +1716,19 @@ def _check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict
                         "safetensors only, never pickled *.bin files)",
                         f"{fix}; convert the weights with save_pretrained(..., "
                         "safe_serialization=True)",
+                    )
+                )
+                continue
+            try:
+                transformers.AutoConfig.from_pretrained(model)  # what the workers read
+            except Exception as exc:  # transformers raises many kinds for a bad config
+                r.errors.append(
+                    ConfigProblem(
+                        key,
+                        path,
+                        f"transformers cannot read {config}: {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())}",
+                        f"{fix}; fix config.json (AutoConfig.from_pretrained must load it)",
                     )
                 )
                 continue

@@ -29,8 +29,10 @@ from ppo_trainer.megatron._backend import (
 from ppo_trainer.megatron._convert import Layout, hf_to_megatron, megatron_to_hf
 from ppo_trainer.megatron._cpu_shim import cuda_as_cpu
 from ppo_trainer.megatron._options import MegatronOptions, parse_options
+from ppo_trainer.megatron._support import MODEL_FAMILY, model_config_problems
 
 __all__ = [
+    "MODEL_FAMILY",
     "Layout",
     "MegatronBackend",
     "MegatronFrozenModel",
@@ -40,6 +42,7 @@ __all__ = [
     "cuda_as_cpu",
     "hf_to_megatron",
     "megatron_to_hf",
+    "model_config_problems",
     "parse_options",
     "transformer_engine_available",
 ]

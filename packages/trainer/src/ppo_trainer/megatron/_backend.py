@@ -60,6 +60,7 @@ from ppo_trainer._torch_backend import (
 from ppo_trainer.megatron import _convert
 from ppo_trainer.megatron._cpu_shim import cuda_as_cpu
 from ppo_trainer.megatron._options import MegatronOptions, parse_options
+from ppo_trainer.megatron._support import MODEL_FAMILY, model_config_problems
 
 with warnings.catch_warnings():
     # megatron-core warns at import time that Transformer Engine / Apex are missing (it
@@ -104,7 +105,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FAMILY = ("qwen2", "llama")
 
 
 def transformer_engine_available() -> bool:
@@ -201,30 +201,22 @@ def _init_model_parallel(opts: MegatronOptions, *, world_size: int, seed: int) -
 
 def _rope_theta(hf_config: Any) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ValueError(
-            f"model rope_type={kind!r} is not supported by the megatron backend: use a model "
-            "with plain RoPE (rope_type 'default') or backend='torch'"
-        )
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return float(theta)
 
 
 def _layout(hf_config: Any, *, te: bool, critic: bool) -> _convert.Layout:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _FAMILY:
+    problems = model_config_problems(hf_config)
+    if problems:
         raise ValueError(
-            f"model_type={model_type!r} is not supported by the megatron backend: use one of "
-            f"{_FAMILY} or backend='torch'"
+            f"the megatron backend cannot build this model: {'; '.join(problems)}. It builds "
+            f"the {'/'.join(MODEL_FAMILY)} family with plain RoPE; use such a model or "
+            "backend='torch'"
         )
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("model mlp_bias=True is not supported by the megatron backend")
+    model_type = hf_config.model_type
     heads = int(hf_config.num_attention_heads)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    if head_dim * heads != hf_config.hidden_size:
-        raise ValueError(f"model head_dim={head_dim} x heads={heads} != hidden_size")
-    qkv_bias = True if model_type == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
+    qkv_bias = model_type == "qwen2"  # Llama with attention_bias is refused above
     return _convert.Layout(
         num_layers=int(hf_config.num_hidden_layers),
         hidden_size=int(hf_config.hidden_size),
