@@ -215,7 +215,6 @@ def _layout(hf_config: Any, *, te: bool, critic: bool) -> _convert.Layout:
         )
     model_type = hf_config.model_type
     heads = int(hf_config.num_attention_heads)
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     qkv_bias = model_type == "qwen2"  # Llama with attention_bias is refused above
     return _convert.Layout(
         num_layers=int(hf_config.num_hidden_layers),
