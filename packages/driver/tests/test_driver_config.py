@@ -103,6 +103,12 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
         ),
         pytest.param(["critic.dtype=float16"], "critic.dtype", "loss scaling", id="fp16"),
         pytest.param(
+            ["cluster.actor_gpus=2", "ppo.critic_mini_batch_size=5"],
+            "ppo.critic_mini_batch_size",
+            "e.g. 4 or 6",
+            id="critic-mini-batch-over-ranks",
+        ),
+        pytest.param(
             ["cluster.rollout_gpus=3", "cluster.num_cpus=3"],
             "cluster.num_cpus",
             "at least 4",

@@ -1624,6 +1624,19 @@ def _check_alignment(r: ValidationReport, cfg: DriverConfig) -> None:
             )
         return
     dp = (cfg.dp_size("policy"), cfg.dp_size("critic"))
+    mini = ppo.critic_mini_batch_size
+    if mini > 0 and mini % dp[1]:
+        lo = max(dp[1], mini - mini % dp[1])
+        r.errors.append(
+            ConfigProblem(
+                "ppo.critic_mini_batch_size",
+                mini,
+                f"not a multiple of the critic's data-parallel size {dp[1]}: each rank trains "
+                "on an equal slice of every global mini-batch",
+                f"set ppo.critic_mini_batch_size to a multiple of {dp[1]}, e.g. {lo} or "
+                f"{lo + dp[1]}",
+            )
+        )
     checked = [("ppo.num_prompts_per_step", batch)]
     if minimum <= batch:  # a minimum above the batch is reported as such, not as unaligned
         checked.append(("async_rl.min_groups_for_streaming_train", minimum))

@@ -456,7 +456,7 @@ class TrainPump:
         if colocated:
             self.generation.pause()
         self._maybe_fail("before_critic", s.step)
-        per_rank = max(1, ppo.critic_mini_batch_size // self.critic.dp_size)
+        per_rank = ppo.critic_mini_batch_size // self.critic.dp_size  # divides: validate
         # the same global mini-batches whatever the data-parallel size
         order = mini_batch_order(batch.size, self.critic.dp_size, per_rank)
         frozen = {"returns": batch.need("returns"), "old_values": batch.need("old_values")}
