@@ -1151,6 +1151,27 @@ def test_missing_megatron_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
     assert problems and "ppo-trainer[megatron]" in str(problems[0])
 
 
+@needs_megatron
+def test_both_refused_optimizer_keys_are_reported_at_once() -> None:
+    # Both keys are fields of one `optimizer` argument of parse_options: refusing the
+    # first must not reset the second before it is judged.
+    p = "policy.megatron_cfg"
+    errors = _errors(
+        [
+            *MEGATRON,
+            f"{p}.fp8_param=true",
+            f"{p}.fp8_recipe=mxfp8",
+            f"{p}.optimizer.use_distributed_optimizer=true",
+            f"{p}.optimizer.overlap_param_gather=true",
+        ]
+    )
+    keys = {e.key for e in errors}
+    assert {
+        f"{p}.optimizer.use_distributed_optimizer",
+        f"{p}.optimizer.overlap_param_gather",
+    } <= keys, keys
+
+
 @needs_megatron  # without megatron-core the missing extra is the one error reported
 @pytest.mark.skipif(_te_available(), reason="Transformer Engine and CUDA are present here")
 def test_fp8_params_need_transformer_engine() -> None:

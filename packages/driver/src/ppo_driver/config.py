@@ -1003,7 +1003,8 @@ def _build_typed(
     is reported as ``<section>.<name>``. ``rename`` rewrites the package's prefix in its
     messages (``model.`` -> ``policy.``). A package raises on its first problem: that
     argument is reset to the accepted ``fallback`` value and the build retried, so that
-    every refused field shows at once. Returns the object built in the end (refused
+    every refused field shows at once (a field of a nested mapping argument is reset
+    alone). Returns the object built in the end (refused
     fields replaced by their fallback, so later checks judge the rest), or None when it
     could not be built.
     """
@@ -1022,10 +1023,16 @@ def _build_typed(
             if not key:
                 key = name if name.startswith(f"{section}.") else f"{section}.{name.split('.')[-1]}"
             _add_package_problem(r, cfg, key, who, text, (fixes or {}).get(key))
-            if not arg or arg in retried or arg not in fallback:
+            if not arg or key in retried or arg not in fallback:
                 return None
-            retried.add(arg)
-            current[arg] = fallback[arg]
+            retried.add(key)
+            value, sub = current[arg], key.rsplit(".", 1)[-1]
+            if isinstance(value, Mapping) and isinstance(fallback[arg], Mapping) and sub in value:
+                # one field of a nested mapping (``optimizer.*``): reset only that one, so
+                # the mapping's other fields are still judged
+                current[arg] = {**value, sub: fallback[arg].get(sub)}
+            else:
+                current[arg] = fallback[arg]
 
 
 def _add_package_problem(
