@@ -554,7 +554,13 @@ class TrainPump:
 
     def save_models(self, save: Callable[[Role], object], *, step: int) -> None:
         """Checkpoint both models in the plan's order (resident one first), ending with
-        the critic resident. Refused by the plan inside an update."""
+        the critic resident. Refused inside an update: the checkpoint exclusion covers
+        the whole update, from the step's first chunk through critic training."""
+        if self.in_update:
+            raise RuntimeError(
+                f"save_models inside step {self.completed_steps}'s update: a checkpoint "
+                "excludes the whole update (through critic training); save between steps"
+            )
         self._settle()
         for item in self.planner.checkpoint(end_resident=Role.CRITIC):
             if isinstance(item, Work):
