@@ -273,14 +273,20 @@ class TrainGroup:
         refs = []
         before = [ref for p in after for ref in p.refs]
         rows_refs = rows.shards(self.dp_size) if rows is not None else None
+        # one object per data-parallel shard, read by its tensor / pipeline peers alike
+        # (critic values reach the actor ranks as Ray object references)
+        sample_refs = (
+            [ray.put({k: v[s].contiguous() for k, v in per_sample.items()}) for s in shards]
+            if per_sample
+            else None
+        )
         for rank, handle in enumerate(self.handles):
             dp = self._dp_of[rank]
-            sliced = {k: v[shards[dp]].contiguous() for k, v in (per_sample or {}).items()}
             refs.append(
                 handle.call.remote(
                     method,
                     rows_refs[dp] if rows_refs is not None else None,
-                    sliced,
+                    sample_refs[dp] if sample_refs is not None else {},
                     {**kwargs, **lifecycle},
                     *before,
                 )
