@@ -243,3 +243,30 @@ def test_sleep_frees_rss_and_start_up_is_serial(observed: dict[str, Any], tmp_pa
     c_rise = next(i for i in range(len(rows)) if critic[i] > c_high)
     a_down = next(i for i in range(a_peak_at, len(rows)) if actor[i] <= a_high)
     assert a_down <= c_rise, (a_down, c_rise)
+
+
+def test_offload_none_keeps_both_models_resident(observed: dict[str, Any], tmp_path: Path) -> None:
+    # The report's debugging switch (--no-offload-train): a full step trains with the
+    # pump's plan unchanged, and a sleep gives nothing back.
+    cfg, report = load_config(
+        None, [*OVERRIDES, "policy.offload_backend=none", "critic.offload_backend=none"]
+    )
+    assert {w.key for w in report.warnings} >= {
+        "policy.offload_backend",
+        "critic.offload_backend",
+    }
+    measured: dict[str, dict[str, int]] = {}
+    sizes: dict[str, dict[str, int]] = {}
+
+    def on_step(report: Any) -> None:
+        for role, group in observed["groups"].items():
+            sizes[role] = _on(group, _model_bytes)
+            measured[role] = _sleep_and_wake(group, observed["sampler"].pids[role])
+
+    result = run_module.train(cfg, run_dir=tmp_path / "run", on_step=on_step)
+    assert result.completed_steps == 1
+    for role in ("actor", "critic"):
+        moved = sizes[role]["params"] + sizes[role]["optimizer"]
+        rss = measured[role]
+        # what a real sleep frees (>= 0.8 of it, above) stays: allow allocator noise only
+        assert abs(rss["awake"] - rss["asleep"]) < (1 - RELEASED) * moved, (role, rss, moved)

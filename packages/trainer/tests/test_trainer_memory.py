@@ -50,6 +50,8 @@ needs_megatron = pytest.mark.skipif(
         ("host_copy", "cpu", "megatron", False, "host_copy"),
         ("memory_saver", "cuda", "torch", True, "memory_saver"),
         ("torch_memory_saver", "cuda", "torch", True, "memory_saver"),
+        ("none", "cuda", "torch", True, "none"),
+        ("none", "cpu", "megatron", False, "none"),
     ],
 )
 def test_offload_backend_by_device_and_config(
@@ -91,7 +93,7 @@ def test_one_spelling_memory_saver_and_the_lifecycle_name_is_an_alias() -> None:
     assert ActorConfig(offload_backend="memory_saver").offload_backend == "memory_saver"
     with pytest.raises(ValueError, match=r"actor\.offload_backend='disk'"):
         ActorConfig(offload_backend="disk")
-    with pytest.raises(ValueError, match="use 'auto', 'host_copy' or 'memory_saver'"):
+    with pytest.raises(ValueError, match="use 'auto', 'host_copy', 'memory_saver' or 'none'"):
         resolve_offload_backend("disk", device="cpu")
 
 
@@ -203,6 +205,27 @@ def test_workers_call_the_hooks_on_first_sleep_and_every_wake_up(
     worker.wake_up()
     worker.wake_up()  # resident: restores only (nothing left to resume)
     assert comm.calls == ["suspend", "resume"]
+
+
+def test_offload_none_keeps_everything_resident_and_the_bookkeeping(
+    registry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The report's --no-offload-train: sleep/wake_up move nothing and keep the process
+    # groups; the worker's own bookkeeping (is_asleep) follows the calls as before.
+    comm = FakeComm("world")
+    worker = ActorWorker(actor_config("torch", offload_backend="none"))
+    suspender = worker._backend.communicators  # type: ignore[attr-defined]
+    monkeypatch.setattr(suspender, "_communicators", lambda: [comm])
+    lifecycle = worker._policy.lifecycle  # type: ignore[attr-defined]
+    before = lifecycle.device_bytes()
+    weights = {k: v.clone() for k, v in worker._policy.module.state_dict().items()}  # type: ignore[attr-defined]
+    worker.sleep()
+    assert worker.is_asleep and lifecycle.device_bytes() == before > 0
+    assert not lifecycle.is_asleep and comm.calls == []
+    worker.wake_up()
+    assert not worker.is_asleep and comm.calls == []
+    after = worker._policy.module.state_dict()  # type: ignore[attr-defined]
+    assert all(torch.equal(after[k], v) for k, v in weights.items())
 
 
 _GLOO_CHILD = textwrap.dedent(

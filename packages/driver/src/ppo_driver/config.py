@@ -1185,7 +1185,9 @@ def _check_dtype(r: ValidationReport, cfg: DriverConfig) -> None:
 def _check_offload_backend(r: ValidationReport, cfg: DriverConfig) -> None:
     """``policy/critic.offload_backend`` on this machine's device, as the trainer's
     backends resolve it (``ppo_trainer.resolve_offload_backend``): ``memory_saver`` needs
-    CUDA, torch_memory_saver and the torch backend (Megatron: ``host_copy`` only)."""
+    CUDA, torch_memory_saver and the torch backend (Megatron: ``host_copy`` only);
+    ``none`` (offload off, the shared actor/critic report's debugging switch) is warned
+    about."""
     device = "cuda" if _cuda_available() else "cpu"
     for role in ROLES:
         section = _section(role)
@@ -1193,6 +1195,18 @@ def _check_offload_backend(r: ValidationReport, cfg: DriverConfig) -> None:
         key = f"{section}.offload_backend"
         if m.offload_backend not in OFFLOAD_BACKENDS or any(p.key == key for p in r.errors):
             continue  # the trainer's config check reports an unknown name
+        if m.offload_backend == "none":
+            r.warnings.append(
+                ConfigProblem(
+                    key,
+                    "none",
+                    f"offload is off: the {role} stays on the training devices while the other "
+                    "model works, so both models and their optimizer states must fit there "
+                    "at once (for debugging offload only)",
+                    f"set {key}=auto to time-share the devices",
+                    severity="warning",
+                )
+            )
         try:
             resolve_offload_backend(
                 m.offload_backend,

@@ -25,7 +25,7 @@ __all__ = [
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token", "sample")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-OFFLOAD_BACKENDS = ("auto", "host_copy", "memory_saver")
+OFFLOAD_BACKENDS = ("auto", "host_copy", "memory_saver", "none")
 # Accepted and normalised to their OFFLOAD_BACKENDS spelling (ppo_lifecycle's name).
 _OFFLOAD_ALIASES = {"torch_memory_saver": "memory_saver"}
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -119,6 +119,9 @@ class _TrainConfig:
     ``auto`` (``memory_saver`` where it can run, ``host_copy`` otherwise; see
     :func:`ppo_trainer.resolve_offload_backend`, which the backends call on the worker's
     device). ``torch_memory_saver`` (``ppo_lifecycle``'s name) is read as ``memory_saver``.
+    ``none`` turns offload off, for debugging it: ``sleep`` / ``wake_up`` keep their
+    bookkeeping (what the worker counts as asleep) but move nothing and keep the process
+    groups, so both models and their optimizer states stay on the device at once.
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)

@@ -51,10 +51,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OffloadChoice = Literal["host_copy", "memory_saver"]
+OffloadChoice = Literal["host_copy", "memory_saver", "none"]
 
-# The trainer's spelling (OFFLOAD_BACKENDS) -> ppo_lifecycle.OffloadManager's name.
-_LIFECYCLE_NAMES = {"auto": "auto", "host_copy": "host_copy", "memory_saver": "torch_memory_saver"}
+# The trainer's spelling (OFFLOAD_BACKENDS) -> ppo_lifecycle.OffloadManager's name
+# (``none``: the workers never ask their manager to move anything; it holds a host-copy
+# backend that stays unused).
+_LIFECYCLE_NAMES = {
+    "auto": "auto",
+    "host_copy": "host_copy",
+    "memory_saver": "torch_memory_saver",
+    "none": "host_copy",
+}
 # Backends whose models can live in memory-saver regions (megatron-core allocates its
 # DDP buffers itself, outside any region: a pause would not free them).
 _MEMORY_SAVER_BACKENDS = ("torch",)
@@ -80,7 +87,7 @@ def resolve_offload_backend(
 ) -> OffloadChoice:
     """The offload backend a model on ``device`` gets for ``requested``.
 
-    ``host_copy`` stays. ``auto`` is ``memory_saver`` on CUDA when ``torch_memory_saver``
+    ``host_copy`` and ``none`` (offload off, for debugging) stay. ``auto`` is ``memory_saver`` on CUDA when ``torch_memory_saver``
     is installed and ``backend`` supports it (the torch backend; not megatron), else
     ``host_copy``. ``memory_saver`` is returned when it can run; otherwise ``ValueError``
     names ``key``, why, and the fix (``ppo_lifecycle``'s ``torch_memory_saver`` is read as
@@ -88,8 +95,8 @@ def resolve_offload_backend(
     """
     dev = torch.device(device)
     choice = "memory_saver" if requested == "torch_memory_saver" else requested
-    if choice == "host_copy":
-        return "host_copy"
+    if choice in ("host_copy", "none"):
+        return "host_copy" if choice == "host_copy" else "none"
     supported = backend in _MEMORY_SAVER_BACKENDS
     if choice == "auto":
         if supported and dev.type == "cuda" and memory_saver_installed():
@@ -97,7 +104,8 @@ def resolve_offload_backend(
         return "host_copy"
     if choice != "memory_saver":
         raise ValueError(
-            f"{key}={requested!r} is invalid: use 'auto', 'host_copy' or 'memory_saver'"
+            f"{key}={requested!r} is invalid: use 'auto', 'host_copy', 'memory_saver' or "
+            "'none'"
         )
     fallback = f"set {key}='host_copy' (or 'auto', which picks host_copy there)"
     if not supported:

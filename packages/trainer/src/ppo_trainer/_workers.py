@@ -217,6 +217,10 @@ class _Lifecycle:
         if not todo:
             log.info("%s.sleep() while already asleep: nothing to do", self._name)
             return
+        if self.config.offload_backend == "none":  # offload off (debugging): bookkeeping only
+            log.info("%s.sleep(): offload_backend='none', nothing leaves the device", self._name)
+            self._asleep_parts = self._asleep_parts | todo
+            return
         for model, trained in self._models():
             if trained:  # all of them: a part that woke with one sharing its storage too
                 model.sleep(parts=requested)
@@ -235,6 +239,9 @@ class _Lifecycle:
         process groups (a retry after a failure between wake_up and sleep)."""
         requested = _parts_from(parts)
         todo = requested & self._asleep_parts
+        if self.config.offload_backend == "none":  # nothing left the device
+            self._asleep_parts = self._asleep_parts - todo
+            return
         if not todo:
             log.info("%s.wake_up() while resident: ensuring process groups only", self._name)
             self._backend.restore_process_groups()
