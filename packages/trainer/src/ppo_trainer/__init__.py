@@ -73,7 +73,7 @@ from ppo_trainer._workers import (
     loss_denominator,
 )
 
-__version__ = "0.4.1"
+__version__ = "0.4.2"
 
 __all__ = [
     "KL_ESTIMATORS",
