@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from driver_testlib import TINY_RUN
+from ppo_driver.batch import StepBatch
 from ppo_driver.config import DriverConfig, load_config, sampler_config
 from ppo_driver.pump import TrainPump
 from ppo_driver.rollout import (
@@ -314,3 +315,43 @@ def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections(
     # the pump polls again only after an empty selection: a wait of two polls or more
     # met one, with the critic resident throughout (no switch among the polls)
     assert max(waits) >= 2
+
+
+def _step_batch(prompt_indices: list[int]) -> StepBatch:
+    b, width = len(prompt_indices), 4
+    zeros = torch.zeros(b, width)
+    return StepBatch(
+        input_ids=torch.full((b, width), 3),
+        attention_mask=torch.ones(b, width, dtype=torch.long),
+        loss_mask=torch.ones(b, width),
+        rewards=zeros,
+        engine_logprobs=zeros,
+        sample_rewards=torch.zeros(b),
+        weight_versions=torch.zeros(b, dtype=torch.long),
+        prompt_indices=torch.tensor(prompt_indices),
+        old_values=zeros,
+        advantages=zeros,
+        returns=zeros,
+    )
+
+
+def test_no_short_batch_guard_checks_every_group_size() -> None:
+    """The no-short-batch guard: 2 groups of 4 samples. 3 + 5 samples have the right
+    total and the right number of prompts, yet a sample moved between groups: refused,
+    naming each group and its count."""
+    world, _ = _world(
+        "ppo.num_prompts_per_step=2",
+        "ppo.num_generations_per_prompt=4",
+        "async_rl.min_groups_for_streaming_train=2",
+    )
+    guard = world.pump
+    assert guard is not None
+    guard._check_batch(_step_batch([0, 0, 0, 0, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match="prompt 0 has 3 samples, prompt 1 has 5 samples"):
+        guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match=r"expected 4 \(ppo.num_generations_per_prompt\)"):
+        guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match="step batch has 7 samples, expected 8"):
+        guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match="a group was dropped or duplicated"):
+        guard._check_batch(_step_batch([0, 0, 0, 0, 1, 1, 1, 2]))
