@@ -173,6 +173,14 @@ def test_streaming_chunks_counters_and_outputs(
             e["ts"] for e in trace if e.get("cat") == "chunk" and e["args"].get("step") == s + 1
         )
         assert critic_end <= next_chunk
+    # refit before critic training (separate generation devices): each step's refit
+    # ends before its critic training starts (worker clocks, as above: 50 us of skew)
+    for s in (0, 1, 2):
+        (refit,) = (e for e in trace if e.get("cat") == "refit" and e["args"].get("step") == s)
+        critic_start = min(
+            e["ts"] for e in trace if e.get("cat") == "critic" and e["args"].get("step") == s
+        )
+        assert refit["ts"] + refit["dur"] <= critic_start + 50, (refit, critic_start)
     for s in (1, 2, 3):
         state = json.loads((run_dir / "checkpoints" / f"step_{s:06d}" / "driver.json").read_text())
         assert state["completed_steps"] == s

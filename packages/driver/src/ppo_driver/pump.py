@@ -623,13 +623,24 @@ class TrainPump:
         return float(self.cfg.samples_per_step * self.cfg.rollout.max_new_tokens), False
 
     def _check_batch(self, batch: StepBatch) -> None:
+        """The no-short-batch guard: ``batch_groups`` prompts of exactly
+        ``num_generations_per_prompt`` samples each (not just the right totals)."""
         if batch.size != self.cfg.samples_per_step:
             raise AssertionError(
                 f"step batch has {batch.size} samples, expected {self.cfg.samples_per_step}: "
                 "samples dropped or duplicated"
             )
-        if len(set(batch.prompt_indices.tolist())) != self.cfg.batch_groups:
+        prompts, counts = torch.unique(batch.prompt_indices, return_counts=True)
+        if len(prompts) != self.cfg.batch_groups:
             raise AssertionError("a group was dropped or duplicated")
+        n = self.cfg.ppo.num_generations_per_prompt
+        wrong = [(int(p), int(c)) for p, c in zip(prompts, counts, strict=True) if c != n]
+        if wrong:
+            listed = ", ".join(f"prompt {p} has {c} samples" for p, c in wrong)
+            raise AssertionError(
+                f"step batch: {listed}; expected {n} (ppo.num_generations_per_prompt) "
+                "per prompt: samples moved between groups, dropped or duplicated"
+            )
 
     def _trace_timeline(self, timeline: Timeline, step: int, phase: str) -> None:
         """A call's parts (rank 0's wall-clock times), placed on the driver's timeline."""

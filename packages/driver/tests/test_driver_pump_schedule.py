@@ -1,0 +1,357 @@
+"""The pump's step schedule (the streaming document's update lifecycle), observed from
+inside the calls it orders: what the critic's training call sees (the step counter, the
+replay buffer's rows, the engines' state and weight version), and the order in which
+the worker groups, the engines and the rollout side are called.
+
+Real: the pump, the sampler, the replay buffer and its batch builder, the residency
+planner, the trace. Fakes stand only for what runs on other processes: the two worker
+groups (one rank each; a call does its work when submitted, which is when Ray would
+start it, since the pump submits in dependency order) and the engines (generation is
+instant: each poll files the next group(s) the sampler admits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from driver_testlib import TINY_RUN
+from ppo_driver.batch import StepBatch
+from ppo_driver.config import DriverConfig, load_config, sampler_config
+from ppo_driver.pump import TrainPump
+from ppo_driver.rollout import (
+    GroupOutput,
+    ReplayBuffer,
+    SampleOutput,
+    ScoredGroup,
+    build_batch,
+)
+from ppo_driver.trace import TraceRecorder
+from ppo_driver.workers import GroupResult, Rows
+from ppo_sampler import Sampler, make_sampler
+
+PAD = 0
+STREAMING = ["async_rl.min_groups_for_streaming_train=2"]  # TINY_RUN's: 8 groups, minimum 2
+FULL_BATCH = ["async_rl.min_groups_for_streaming_train=8"]
+COLOCATED = [*FULL_BATCH, "cluster.colocate=true"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One entry of the run's event log: a worker call, an engine call or a poll."""
+
+    who: str  # "actor", "critic", "generation", "rollout"
+    what: str  # the method
+    wake_first: object = False
+    step: int = -1  # the pump's completed_steps when it happened
+    ready: int = 0  # rollout polls: groups that became ready
+
+
+@dataclass
+class Seen:
+    """The world as the critic's training call finds it."""
+
+    completed_steps: int
+    claimed: list[int]  # replay buffer rows claimed (trained on, not yet released)
+    sampler_claimed: list[int]
+    engines_paused: bool
+    engine_version: int  # the policy version on the engines
+    pump_version: int
+    log_index: int  # this call's position in the event log
+
+
+@dataclass
+class World:
+    cfg: DriverConfig
+    log: list[Call] = field(default_factory=list)
+    seen: list[Seen] = field(default_factory=list)
+    pump: TrainPump | None = None
+
+
+class _Done:
+    def __init__(self, value: Any, label: str) -> None:
+        self.value, self.label = value, label
+
+    def result(self) -> GroupResult:
+        return GroupResult(values=[self.value], timeline=[(self.label, 0.0, 0.0)])
+
+
+class _Group:
+    """A one-rank worker group: records each call, does the work at submit."""
+
+    dp_size = 1
+
+    def __init__(self, role: str, world: World, rollout: _Rollout, engines: _Engines) -> None:
+        self.role, self.world, self.rollout, self.engines = role, world, rollout, engines
+        self.passes = 0
+
+    def submit(
+        self,
+        method: str,
+        *,
+        rows: Rows | None = None,
+        per_sample: Mapping[str, torch.Tensor] | None = None,
+        wake_first: object = False,
+        sleep_after: object = None,
+        after: Sequence[object] = (),
+        **kwargs: Any,
+    ) -> _Done:
+        pump = self.world.pump
+        assert pump is not None
+        self.world.log.append(Call(self.role, method, wake_first, step=pump.completed_steps))
+        inputs = rows.tensors if rows is not None else {}
+        value: Any = None
+        if method in ("compute_values", "compute_logprobs"):
+            value = torch.zeros(inputs["loss_mask"].shape)
+        elif method == "train_chunk":
+            self.passes += 1
+            value = {"actor/valid_tokens": float(inputs["loss_mask"].sum()), "loss/pg": 0.0}
+        elif method == "finish_step":
+            value = {"actor/grad_norm": 0.0}
+        elif method == "counters":
+            value = {"policy_forward_backward": float(self.passes)}
+        elif method == "train":  # the critic's training: look around
+            self.world.seen.append(
+                Seen(
+                    completed_steps=pump.completed_steps,
+                    claimed=sorted(self.rollout.buffer.claimed_ids()),
+                    sampler_claimed=sorted(int(g) for g in self.rollout.sampler.claimed()),
+                    engines_paused=self.engines.paused,
+                    engine_version=self.engines.version,
+                    pump_version=pump.weight_version,
+                    log_index=len(self.world.log) - 1,
+                )
+            )
+            value = {"loss/value": 0.0}
+        return _Done(value, f"{self.role}.{method}")
+
+    def call(self, method: str, **kwargs: Any) -> GroupResult:
+        return self.submit(method, **kwargs).result()
+
+
+class _Engines:
+    """The engines as the pump sees them (``GenerationControl``)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.paused = False
+        self.version = 0
+
+    def _log(self, what: str) -> None:
+        pump = self.world.pump
+        assert pump is not None
+        self.world.log.append(Call("generation", what, step=pump.completed_steps))
+
+    def refit(self, *, version: int) -> None:
+        self._log("refit")
+        self.version = version
+
+    def pause(self) -> None:
+        self._log("pause")
+        self.paused = True
+
+    def resume(self) -> None:
+        self._log("resume")
+        self.paused = False
+
+
+class _Rollout:
+    """The rollout manager's training side over the real replay buffer and sampler.
+    Each poll files at most one finished group of a step the sampler admits (so the
+    pump meets empty selections while it waits); paused engines file nothing."""
+
+    def __init__(self, world: World, sampler: Sampler, engines: _Engines) -> None:
+        self.world, self.sampler, self.engines = world, sampler, engines
+        self.buffer = ReplayBuffer()
+        self.next_gid = 0
+        self.batch = world.cfg.batch_groups
+        self.n = world.cfg.ppo.num_generations_per_prompt
+
+    def pump(self, *, trainer_step: int, timeout_s: float = 0.0) -> list[int]:
+        gid, step = self.next_gid, self.next_gid // self.batch
+        ready: list[int] = []
+        if not self.engines.paused and self.sampler.can_dispatch(step, trainer_step=trainer_step):
+            self.buffer.add(self._group(gid), step=step)
+            self.sampler.add(gid, step=step, weight_version=self.engines.version)
+            self.next_gid += 1
+            ready.append(gid)
+        pump = self.world.pump
+        assert pump is not None
+        self.world.log.append(Call("rollout", "poll", step=pump.completed_steps, ready=len(ready)))
+        return ready
+
+    def _group(self, gid: int) -> ScoredGroup:
+        samples = tuple(
+            SampleOutput(
+                token_ids=tuple(range(3, 4 + (gid + j) % 5)),
+                logprobs=tuple(-0.5 for _ in range(1 + (gid + j) % 5)),
+                finish_reason="stop",
+            )
+            for j in range(self.n)
+        )
+        out = GroupOutput(
+            prompt_index=gid,
+            prompt_ids=(1, 5 + gid % 3),
+            samples=samples,
+            weight_version=self.engines.version,
+            engine_id="fake",
+        )
+        return ScoredGroup(output=out, rewards=tuple(float(j % 2) for j in range(self.n)))
+
+    def claim(self, group_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        self.world.log.append(Call("rollout", "claim"))
+        return build_batch(self.buffer.claim(sorted(group_ids)), pad_id=PAD)
+
+    def release(self, group_ids: Iterable[int]) -> None:
+        ids = [int(g) for g in group_ids]
+        self.buffer.release(ids)
+        self.sampler.mark_consumed(ids)
+
+    def redispatch_evicted(self) -> list[int]:
+        return []
+
+
+def _world(*extra: str) -> tuple[World, _Rollout]:
+    cfg, _ = load_config(None, [*TINY_RUN, *extra])
+    world = World(cfg)
+    sampler = make_sampler(sampler_config(cfg))
+    engines = _Engines(world)
+    rollout = _Rollout(world, sampler, engines)
+    world.pump = TrainPump(
+        cfg,
+        actor=_Group("actor", world, rollout, engines),  # type: ignore[arg-type]
+        critic=_Group("critic", world, rollout, engines),  # type: ignore[arg-type]
+        rollout=rollout,
+        generation=engines,
+        sampler=sampler,
+        pad_id=PAD,
+        trace=TraceRecorder(),
+    )
+    return world, rollout
+
+
+def _index(log: list[Call], who: str, what: str, *, step: int) -> list[int]:
+    return [i for i, c in enumerate(log) if (c.who, c.what, c.step) == (who, what, step)]
+
+
+@pytest.mark.parametrize("mode", [STREAMING, FULL_BATCH], ids=["streaming", "full_batch"])
+def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> None:
+    """Separate generation devices: the policy update and the refit come before critic
+    training (the critic's call finds the new version on the engines, the refit over);
+    the step's rows are released and the step counted only after critic training (the
+    critic's call finds them still claimed, the counter not yet advanced)."""
+    world, rollout = _world(*mode)
+    assert world.pump is not None
+    for step in range(2):
+        report = world.pump.run_step()
+        assert world.pump.completed_steps == step + 1
+        assert len(report.chunk_groups) > 1 if mode is STREAMING else report.chunk_groups == [8]
+        seen = world.seen[step]
+        # the rule's own order: refit ends before critic training starts
+        (refit,) = _index(world.log, "generation", "refit", step=step)
+        assert refit < seen.log_index
+        assert seen.engine_version == seen.pump_version == step + 1
+        # release after both updates: the step's rows are still claimed while the critic
+        # trains on them (buffer and sampler), gone once the step returns
+        assert seen.claimed == report.group_ids == list(range(8 * step, 8 * step + 8))
+        assert seen.sampler_claimed == report.group_ids
+        assert not any(g in rollout.buffer for g in report.group_ids)
+        assert rollout.sampler.claimed() == []
+        # completed-step counters advance after critic training
+        assert seen.completed_steps == step
+        assert not seen.engines_paused  # generation has devices of its own: never paused
+    assert all(c.what not in ("pause", "resume") for c in world.log)
+
+
+def test_colocated_full_batch_pauses_generation_for_critic_training_then_refits() -> None:
+    """Generation on the training devices (full batch): it is paused while the critic
+    trains, the refit follows critic training, and generation resumes after the refit."""
+    world, rollout = _world(*COLOCATED)
+    assert world.pump is not None
+    for step in range(2):
+        report = world.pump.run_step()
+        seen = world.seen[step]
+        assert seen.engines_paused  # observed from inside critic training
+        assert seen.engine_version == step  # the refit has not happened yet
+        pause, refit, resume = (
+            _index(world.log, "generation", what, step=step)
+            for what in ("pause", "refit", "resume")
+        )
+        assert [len(pause), len(refit), len(resume)] == [1, 1, 1]
+        assert pause[0] < seen.log_index < refit[0] < resume[0]
+        assert not rollout.engines.paused and rollout.engines.version == step + 1
+        assert seen.claimed == report.group_ids and seen.completed_steps == step
+
+
+@pytest.mark.parametrize("mode", [STREAMING, COLOCATED], ids=["streaming", "colocated"])
+def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections(
+    mode: list[str],
+) -> None:
+    """The controller wakes the critic before it waits for the next chunk (between
+    chunks while streaming; at a step's start after a colocated refit left the actor
+    resident), never inside the value forward that follows the wait, and keeps it
+    resident across the empty selections of the wait (no switch between polls)."""
+    world, _ = _world(*mode)
+    assert world.pump is not None
+    reports = [world.pump.run_step() for _ in range(2)]
+    log = world.log
+    forwards = [i for i, c in enumerate(log) if c.what == "compute_values"]
+    assert len(forwards) == sum(len(r.chunk_groups) for r in reports)
+    assert [log[i].wake_first for i in forwards] == [False] * len(forwards)
+    waits = []  # polls of each wait that the critic's own wake-up preceded
+    for i in forwards[1:]:
+        j = i - 1  # walk back over the wait (the rollout's polls, the claim)
+        while log[j].who == "rollout":
+            j -= 1
+        if (log[j].who, log[j].what) == ("critic", "wake_up"):
+            waits.append(sum(c.what == "poll" for c in log[j + 1 : i]))
+    if mode is STREAMING:  # every chunk but a step's first: the actor was resident
+        assert len(waits) == sum(len(r.chunk_groups) - 1 for r in reports)
+    else:  # step 1 starts after the refit that followed critic training
+        assert len(waits) == 1
+    # the pump polls again only after an empty selection: a wait of two polls or more
+    # met one, with the critic resident throughout (no switch among the polls)
+    assert max(waits) >= 2
+
+
+def _step_batch(prompt_indices: list[int]) -> StepBatch:
+    b, width = len(prompt_indices), 4
+    zeros = torch.zeros(b, width)
+    return StepBatch(
+        input_ids=torch.full((b, width), 3),
+        attention_mask=torch.ones(b, width, dtype=torch.long),
+        loss_mask=torch.ones(b, width),
+        rewards=zeros,
+        engine_logprobs=zeros,
+        sample_rewards=torch.zeros(b),
+        weight_versions=torch.zeros(b, dtype=torch.long),
+        prompt_indices=torch.tensor(prompt_indices),
+        old_values=zeros,
+        advantages=zeros,
+        returns=zeros,
+    )
+
+
+def test_no_short_batch_guard_checks_every_group_size() -> None:
+    """The no-short-batch guard: 2 groups of 4 samples. 3 + 5 samples have the right
+    total and the right number of prompts, yet a sample moved between groups: refused,
+    naming each group and its count."""
+    world, _ = _world(
+        "ppo.num_prompts_per_step=2",
+        "ppo.num_generations_per_prompt=4",
+        "async_rl.min_groups_for_streaming_train=2",
+    )
+    guard = world.pump
+    assert guard is not None
+    guard._check_batch(_step_batch([0, 0, 0, 0, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match="prompt 0 has 3 samples, prompt 1 has 5 samples"):
+        guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match=r"expected 4 \(ppo.num_generations_per_prompt\)"):
+        guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match="step batch has 7 samples, expected 8"):
+        guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1]))
+    with pytest.raises(AssertionError, match="a group was dropped or duplicated"):
+        guard._check_batch(_step_batch([0, 0, 0, 0, 1, 1, 1, 2]))
