@@ -61,6 +61,7 @@ class Seen:
     engine_version: int  # the policy version on the engines
     pump_version: int
     log_index: int  # this call's position in the event log
+    save_refused: str  # what save_models said when asked here ("" if it saved)
 
 
 @dataclass
@@ -114,6 +115,11 @@ class _Group:
         elif method == "counters":
             value = {"policy_forward_backward": float(self.passes)}
         elif method == "train":  # the critic's training: look around
+            try:
+                pump.save_models(lambda role: None, step=pump.completed_steps)
+                refused = ""
+            except RuntimeError as exc:
+                refused = str(exc)
             self.world.seen.append(
                 Seen(
                     completed_steps=pump.completed_steps,
@@ -123,6 +129,7 @@ class _Group:
                     engine_version=self.engines.version,
                     pump_version=pump.weight_version,
                     log_index=len(self.world.log) - 1,
+                    save_refused=refused,
                 )
             )
             value = {"loss/value": 0.0}
@@ -262,8 +269,13 @@ def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> 
         assert rollout.sampler.claimed() == []
         # completed-step counters advance after critic training
         assert seen.completed_steps == step
+        # checkpoint exclusion covers the whole update, critic training included
+        assert "save between steps" in seen.save_refused
         assert not seen.engines_paused  # generation has devices of its own: never paused
     assert all(c.what not in ("pause", "resume") for c in world.log)
+    saved: list[str] = []
+    world.pump.save_models(lambda role: saved.append(role.value), step=2)  # between steps
+    assert sorted(saved) == ["actor", "critic"]
 
 
 def test_colocated_full_batch_pauses_generation_for_critic_training_then_refits() -> None:

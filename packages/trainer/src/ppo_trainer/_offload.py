@@ -104,8 +104,7 @@ def resolve_offload_backend(
         return "host_copy"
     if choice != "memory_saver":
         raise ValueError(
-            f"{key}={requested!r} is invalid: use 'auto', 'host_copy', 'memory_saver' or "
-            "'none'"
+            f"{key}={requested!r} is invalid: use 'auto', 'host_copy', 'memory_saver' or 'none'"
         )
     fallback = f"set {key}='host_copy' (or 'auto', which picks host_copy there)"
     if not supported:
