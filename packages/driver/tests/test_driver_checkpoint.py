@@ -20,7 +20,9 @@ from ppo_driver.checkpoint import (
     verify_checkpoint,
 )
 from ppo_driver.cli import main
+from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.metrics import MetricsWriter, plot_rewards, read_metrics
+from ppo_driver.run import resume_config_changes, resume_inputs
 from ppo_driver.trace import TraceRecorder
 from ppo_trainer.testing import rounding_bound
 from safetensors.torch import save_file
@@ -210,3 +212,53 @@ def test_moved_aside_checkpoint_is_ignored(tmp_path: Path) -> None:
     assert find_latest(tmp_path) == tmp_path / "step_000001"
     save_checkpoint(tmp_path, 2, state={}, tensors={}, write_models=_models, keep=1)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000002.damaged"]
+
+
+def test_resume_compares_what_input_paths_point_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by a user: --resume compared the paths as strings, refusing the same files
+    # written another way and accepting other files behind the same relative path.
+    for name, prompt in (("a", "x"), ("b", "y")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+        (tmp_path / name / "model").mkdir()
+        (tmp_path / name / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+        (tmp_path / name / "model" / "w.safetensors").write_bytes(bytes(range(256)) * 64)
+    relative = ["rollout.dataset_path=train.jsonl", "policy.model_path=model"]
+    monkeypatch.chdir(tmp_path / "a")
+    cfg, _ = load_config(None, relative, check=False)
+    saved, saved_inputs = cfg.to_dict(), resume_inputs(cfg)
+
+    def changes(now: DriverConfig) -> list[str]:
+        return resume_config_changes(
+            saved, now.to_dict(), saved_inputs=saved_inputs, inputs=resume_inputs(now)
+        )
+
+    absolute, _ = load_config(
+        None,
+        [
+            f"rollout.dataset_path={tmp_path / 'b' / '..' / 'a' / 'train.jsonl'}",
+            f"policy.model_path={tmp_path / 'a' / 'model'}",
+        ],
+        check=False,
+    )
+    assert changes(absolute) == []  # the same files
+    assert resume_config_changes(saved, absolute.to_dict())  # strings: an older checkpoint
+
+    monkeypatch.chdir(tmp_path / "b")  # other files behind the same strings
+    (tmp_path / "b" / "model" / "w.safetensors").write_bytes(bytes(range(256)) * 64)
+    found = changes(cfg)
+    assert len(found) == 1 and found[0].startswith("rollout.dataset_path: "), found
+    assert "not the same input" in found[0] and str(tmp_path / "b") in found[0]
+    # the model directories are equal so far; then its config differs
+    (tmp_path / "b" / "model" / "config.json").write_text('{"model_type": "llama"}')
+    assert [c.split(":")[0] for c in changes(cfg)] == [
+        "rollout.dataset_path",
+        "policy.model_path",
+        "critic.model_path",  # the critic is built from the policy's directory
+    ]
+    # the weights: their size and ends are part of the fingerprint
+    (tmp_path / "b" / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "b" / "model" / "w.safetensors").write_bytes(bytes(16384))
+    assert "policy.model_path" in " ".join(changes(cfg))

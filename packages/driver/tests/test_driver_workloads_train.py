@@ -59,7 +59,17 @@ def test_cli_trains_a_user_workload_resumes_and_exports_it(tmp_path: Path) -> No
     files = make_workload(tmp_path / "workload")
     run_dir = tmp_path / "run"
     first = _train(run_dir, files, f"run.num_steps={NUM_STEPS - 1}")
-    second = _train(run_dir, files, f"run.num_steps={NUM_STEPS}", "--resume")
+    # the same files written another way: the checkpoint's fingerprints say they are
+    # the same inputs (before, --resume compared the strings and refused)
+    respelled = tmp_path / "workload" / ".." / "workload"
+    second = _train(
+        run_dir,
+        files,
+        f"run.num_steps={NUM_STEPS}",
+        f"policy.model_path={respelled / files['model'].name}",
+        f"rollout.dataset_path={respelled / files['train'].name}",
+        "--resume",
+    )
     assert "resumed from step_000002" in second
     closing = [int(m) for m in re.findall(r"closing on (\d+) chunk", first + second)]
     assert closing == [2] * NUM_STEPS, closing  # streaming, in the fixed blocks

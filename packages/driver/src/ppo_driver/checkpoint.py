@@ -48,6 +48,7 @@ __all__ = [
     "checkpoint_step",
     "complete_checkpoints",
     "find_latest",
+    "input_fingerprint",
     "load_checkpoint",
     "restore_rng",
     "rng_state",
@@ -216,6 +217,51 @@ def _sha256(path: Path) -> str:
         while block := fh.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+#: The files of a model directory that fix what its ids and shapes mean.
+_MODEL_META = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+_EDGE = 4 << 20  # bytes read at each end of a weights file
+
+
+def input_fingerprint(path: str | Path | None) -> dict[str, str] | None:
+    """What identifies an input of a run (a prompt file or a model directory), to tell
+    on ``--resume`` whether it is the same input under another path, or another one
+    under the same path: ``{"path": resolved path, "sha256": digest}``.
+
+    A file is digested whole. A directory: its config and tokenizer files whole, and of
+    each ``*.safetensors`` file its name, size and first and last 4 MiB (the header and
+    the outermost tensors; the whole weights would take minutes at a start). ``None``
+    for ``None``; a path that does not exist gets the digest ``"missing"``."""
+    if path is None:
+        return None
+    root = Path(path).expanduser().resolve()
+    if root.is_file():
+        return {"path": str(root), "sha256": _sha256(root)}
+    if not root.is_dir():
+        return {"path": str(root), "sha256": "missing"}
+    digest = hashlib.sha256()
+    for name in _MODEL_META:
+        if (root / name).is_file():
+            digest.update(f"{name}:{_sha256(root / name)}\n".encode())
+    for weights in sorted(root.glob("*.safetensors")):
+        size = weights.stat().st_size
+        with weights.open("rb") as fh:
+            head = fh.read(_EDGE)
+            fh.seek(max(size - _EDGE, 0))
+            tail = fh.read(_EDGE)
+        edges = hashlib.sha256(head + tail).hexdigest()
+        digest.update(f"{weights.name}:{size}:{edges}\n".encode())
+    return {"path": str(root), "sha256": digest.hexdigest()}
 
 
 def _files(root: Path) -> list[Path]:

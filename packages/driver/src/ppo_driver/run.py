@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,6 +50,7 @@ from ppo_driver.checkpoint import (
     checkpoint_step,
     complete_checkpoints,
     find_latest,
+    input_fingerprint,
     load_checkpoint,
     restore_rng,
     rng_state,
@@ -61,6 +62,7 @@ from ppo_driver.config import (
     cluster_layout,
     cuda_device_count,
     local_num_cpus,
+    model_path,
     sampler_config,
     trainer_configs,
 )
@@ -92,6 +94,7 @@ __all__ = [
     "FAIL_POINTS",
     "LOCK_FILE",
     "RESUME_FIXED_KEYS",
+    "RESUME_INPUT_KEYS",
     "RunLock",
     "RunResult",
     "RunStopped",
@@ -99,6 +102,7 @@ __all__ = [
     "last_checkpoint_note",
     "parse_fail_at",
     "resume_config_changes",
+    "resume_inputs",
     "train",
 ]
 
@@ -136,6 +140,25 @@ RESUME_FIXED_KEYS: tuple[str, ...] = (
 )
 """Config keys that fix the meaning of a run's saved state: ``--resume`` refuses to
 change them (the rest, e.g. ``run.num_steps`` or learning rates, may change)."""
+
+RESUME_INPUT_KEYS: tuple[str, ...] = (
+    "rollout.dataset_path",
+    "policy.model_path",
+    "critic.model_path",
+)
+"""The :data:`RESUME_FIXED_KEYS` that name files: checkpoints record what they point
+at (:func:`ppo_driver.checkpoint.input_fingerprint`), and ``--resume`` compares that,
+not the path as written (the same files under another path are the same input)."""
+
+
+def resume_inputs(cfg: DriverConfig) -> dict[str, dict[str, str] | None]:
+    """The fingerprint of each :data:`RESUME_INPUT_KEYS` input of ``cfg`` (a null
+    ``critic.model_path``: the policy's directory, which the critic is built from)."""
+    return {
+        "rollout.dataset_path": input_fingerprint(cfg.rollout.dataset_path),
+        "policy.model_path": input_fingerprint(model_path(cfg, "policy")),
+        "critic.model_path": input_fingerprint(model_path(cfg, "critic")),
+    }
 
 
 class RunStopped(BaseException):
@@ -511,11 +534,37 @@ def _dotted(tree: Any, key: str) -> Any:
     return tree
 
 
-def resume_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _digest(fingerprint: Any) -> str | None:
+    return fingerprint.get("sha256") if isinstance(fingerprint, dict) else None
+
+
+def resume_config_changes(
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    *,
+    saved_inputs: Mapping[str, Any] | None = None,
+    inputs: Mapping[str, Any] | None = None,
+) -> list[str]:
     """``"key: old (saved) -> new (now)"`` for each :data:`RESUME_FIXED_KEYS` entry that
-    differs (keys the saved config does not have are skipped)."""
+    differs (keys the saved config does not have are skipped). With the fingerprints of
+    both (``saved_inputs`` from the checkpoint, ``inputs`` now), the
+    :data:`RESUME_INPUT_KEYS` compare what the paths point at, not how they are written."""
     out = []
+    compared = saved_inputs is not None and inputs is not None
+    if compared:
+        assert saved_inputs is not None and inputs is not None
+        for key in RESUME_INPUT_KEYS:
+            old, new = saved_inputs.get(key, _MISSING), inputs.get(key)
+            if old is _MISSING or _digest(old) == _digest(new):
+                continue
+            where = [
+                "(none)" if fp is None else f"{fp['path']} (sha256 {fp['sha256'][:12]})"
+                for fp in (old, new)
+            ]
+            out.append(f"{key}: {where[0]} (saved) -> {where[1]} (now): not the same input")
     for key in RESUME_FIXED_KEYS:
+        if compared and key in RESUME_INPUT_KEYS:
+            continue
         old, new = _dotted(saved, key), _dotted(now, key)
         if old is not _MISSING and old != new:
             shown = "(absent)" if new is _MISSING else repr(new)
@@ -523,9 +572,12 @@ def resume_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[st
     return out
 
 
-def _check_resume_config(cfg: DriverConfig, checkpoint: Path, run_dir: Path) -> None:
+def _check_resume_config(
+    cfg: DriverConfig, checkpoint: Path, run_dir: Path, inputs: Mapping[str, Any]
+) -> None:
     """Refuse a resume whose config changes what the saved state means."""
-    saved = json.loads((checkpoint / "driver.json").read_text()).get("config")
+    state = json.loads((checkpoint / "driver.json").read_text())
+    saved, saved_inputs = state.get("config"), state.get("inputs")
     source = checkpoint / "driver.json"
     if not isinstance(saved, dict) and (run_dir / "config.yaml").is_file():
         saved, source = (
@@ -534,7 +586,12 @@ def _check_resume_config(cfg: DriverConfig, checkpoint: Path, run_dir: Path) -> 
         )
     if not isinstance(saved, dict):
         return
-    changes = resume_config_changes(saved, cfg.to_dict())
+    changes = resume_config_changes(
+        saved,
+        cfg.to_dict(),
+        saved_inputs=saved_inputs if isinstance(saved_inputs, dict) else None,
+        inputs=inputs,
+    )
     if changes:
         raise StartupError(
             f"--resume: {len(changes)} key(s) differ from the config the run in {run_dir} was "
@@ -659,8 +716,9 @@ def train(
         lock = RunLock.acquire(run_dir)
         removed = _claim_contents(run_dir, resume=resume, overwrite=overwrite)
         latest = _checkpoint_to_resume(ckpt_dir) if resume else None
+        inputs = resume_inputs(cfg)
         if latest is not None:
-            _check_resume_config(cfg, latest, run_dir)
+            _check_resume_config(cfg, latest, run_dir, inputs)
         handler = _setup_logging(run_dir)
         try:
             if removed:
@@ -670,6 +728,7 @@ def train(
             return _run(
                 cfg,
                 run_dir=run_dir,
+                inputs=inputs,
                 latest=latest,
                 fail_at=fail_at,
                 on_step=on_step,
@@ -705,12 +764,14 @@ class _Built:
     pump: TrainPump
     evaluator: Evaluator | None = None  # rollout.eval_dataset_path, every run.eval_every steps
     policy_spec: ModelSpec | None = None  # what the HF export at the end describes
+    inputs: dict[str, Any] = field(default_factory=dict)  # resume_inputs, saved each time
 
 
 def _run(
     cfg: DriverConfig,
     *,
     run_dir: Path,
+    inputs: dict[str, Any],
     latest: Path | None,
     fail_at: str | None,
     on_step: Callable[[StepReport], None] | None,
@@ -736,6 +797,7 @@ def _run(
 
     with cleanup:
         built = _build(cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit)
+        built.inputs = inputs
         guard.install()  # ray.init replaced the SIGTERM handler with its own
         resumed_from = _start(built, latest=latest, t_run=t_run)
         result = _loop(
@@ -932,6 +994,7 @@ def _checkpoint(
                 "rollout": rollout_meta,
                 "rng": rng_json,
                 "config": cfg.to_dict(),
+                "inputs": built.inputs,
             },
             tensors=tensors,
             write_models=write_models,
