@@ -1039,6 +1039,46 @@ def test_existing_paths_are_accepted(tmp_path: Path, reward_module: str) -> None
     assert report.ok, report.errors
 
 
+def test_prompt_plus_new_tokens_must_fit_the_model_context(
+    tmp_path: Path, reward_module: str
+) -> None:
+    # Found by a user: a GPT-2 (learned positions, n_positions) passed validate and
+    # crashed at the first generation with an IndexError from its position embedding.
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    qwen = make_model_dir(tmp_path / "qwen")  # rotary, max_position_embeddings 512
+    tok = AutoTokenizer.from_pretrained(qwen)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1 + 2 ="}\n' + json.dumps({"prompt": "1 + 2 = " * 8}) + "\n")
+    longest = len(tok.encode("1 + 2 = " * 8))
+    n = longest + 8  # GPT-2's n_positions
+    gpt2 = tmp_path / "gpt2"
+    eos = tok.eos_token_id
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=n, n_embd=16, n_layer=1, n_head=2,
+        bos_token_id=eos, eos_token_id=eos,
+    )  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(gpt2)
+    tok.save_pretrained(gpt2)
+    base = [f"rollout.dataset_path={data}", f"rollout.reward={reward_module}:good"]
+
+    def report(model: Path, new: int) -> Any:
+        return load_config(
+            None, [*base, f"policy.model_path={model}", f"rollout.max_new_tokens={new}"],
+            check=False,
+        )[1]  # fmt: skip
+
+    assert report(gpt2, 8).ok  # exactly the context: fine
+    errors = [p for p in report(gpt2, 9).errors if p.key == "rollout.dataset_path"]
+    assert len(errors) == 1, errors
+    text = str(errors[0])
+    assert f"{data}:2: {longest} tokens" in text and f"context of {n}" in text
+    assert "rollout.max_new_tokens to at most 8" in text
+    # rotary positions run past the context (worse): a warning, not an error
+    rotary = report(qwen, 513 - longest)
+    assert rotary.ok and [w for w in rotary.warnings if w.key == "rollout.dataset_path"]
+
+
 def test_megatron_layout_uses_the_checkpoint_shape(tmp_path: Path) -> None:
     # The model's own config.json decides the head / layer counts, not policy.hidden_size.
     model = _hf_dir(

@@ -1858,6 +1858,70 @@ def _check_tokenizer(
     return tokenizer
 
 
+def _context_length(cfg: DriverConfig, role: Role) -> tuple[int, bool, str] | None:
+    """``role``'s model context (``max_position_embeddings``), whether its positions are
+    rotary (RoPE runs past it, worse; learned positions cannot), and where it is read;
+    None for the built-in model or an unreadable config (reported elsewhere)."""
+    source = model_path(cfg, role)
+    if source is None:
+        return None
+    try:
+        hf = transformers.AutoConfig.from_pretrained(source)
+    except Exception:  # reported by _check_model_dirs
+        return None
+    length = getattr(hf, "max_position_embeddings", None)
+    if not isinstance(length, int) or length <= 0:
+        return None
+    rotary = getattr(hf, "rope_parameters", None) is not None or hasattr(hf, "rope_theta")
+    return length, rotary, f"{source}/config.json"
+
+
+def _check_context(
+    r: ValidationReport, cfg: DriverConfig, key: str, path: str, dataset: Any
+) -> None:
+    """The longest prompt of ``dataset`` plus ``rollout.max_new_tokens`` fits each
+    model's context: an error for learned positions (generation and the trainer's
+    forward would index past the table), a warning for rotary ones (the model runs
+    past the length it was trained for)."""
+    longest = max(range(len(dataset)), key=lambda i: len(dataset.prompt_ids(i)))
+    prompt = len(dataset.prompt_ids(longest))
+    new = cfg.rollout.max_new_tokens
+    for role in ROLES:
+        context = _context_length(cfg, role)
+        if context is None or prompt + new <= context[0]:
+            continue
+        length, rotary, where = context
+        what = (
+            f"its longest prompt ({dataset.locations[longest]}: {prompt} tokens) plus "
+            f"rollout.max_new_tokens={new} is {prompt + new} tokens, beyond the {role} "
+            f"model's context of {length} (max_position_embeddings in {where})"
+        )
+        fix = (
+            f"shorten or drop the long prompts, or lower rollout.max_new_tokens to at most "
+            f"{max(length - prompt, 0)}"
+        )
+        if rotary:
+            r.warnings.append(
+                ConfigProblem(
+                    key,
+                    path,
+                    f"{what}: the model runs past the length it was trained for",
+                    fix,
+                    severity="warning",
+                )
+            )
+        else:
+            r.errors.append(
+                ConfigProblem(
+                    key,
+                    path,
+                    f"{what}: its learned position table has no row past that",
+                    fix,
+                )
+            )
+        return
+
+
 def _check_data(r: ValidationReport, cfg: DriverConfig, tokenizer: Any) -> None:
     """The data keys: each JSONL file read and encoded as ``train`` will (missing,
     empty, every bad line named by number), the prompt key, the evaluation schedule, the
@@ -1884,9 +1948,10 @@ def _check_data(r: ValidationReport, cfg: DriverConfig, tokenizer: Any) -> None:
             if tokenizer is None:  # the tokenizer is refused (reported): the lines only
                 read_jsonl(path, prompt_key=ro.prompt_key, messages=ro.apply_chat_template)
             else:
-                PromptDataset.from_jsonl(
+                dataset = PromptDataset.from_jsonl(
                     path, tokenizer, prompt_key=ro.prompt_key, chat_template=chat
                 )
+                _check_context(r, cfg, key, path, dataset)
         except DataError as exc:
             r.errors.append(
                 ConfigProblem(

@@ -212,8 +212,11 @@ class PromptDataset:
         self.chat_template = chat_template
         ids: list[tuple[int, ...]] = []
         bad: list[str] = []
+        #: where each record came from (``file:line``, or ``record i``), for messages
+        self.locations: list[str] = []
         for i, r in enumerate(self.records):
             where = f"{source}:{lines[i]}" if source and lines else f"record {i}"
+            self.locations.append(where)
             try:
                 encoded = encode_prompt(tokenizer, r[prompt_key], chat_template=chat_template)
             except Exception as exc:  # the tokenizer's or its chat template's refusal
