@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from driver_testlib import TINY_RUN
+from ppo_driver import run as run_module
 from ppo_driver.checkpoint import save_checkpoint
 from ppo_driver.cli import _parse, main
 from ppo_driver.config import default_config_path, load_config
@@ -279,6 +280,19 @@ def test_resume_refuses_a_changed_state_shaping_key(
     assert "run.seed: 0 (saved) -> 3" in err
     assert "policy.hidden_size: 32 (saved) -> 64" in err
     assert "3 key(s) differ" in err and "num_steps" not in err
+
+
+def test_resume_with_nothing_left_to_train_says_so_without_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: Ray started and both models were built (25 s), then the run ended
+    without a word."""
+    _fake_run(tmp_path, TINY_RUN, steps=2)
+    monkeypatch.setattr(run_module, "_run", None)  # calling it would be the bug
+    code, err = _train(capsys, "--run-dir", str(tmp_path), "--resume", *TINY_RUN, "run.num_steps=2")
+    assert code == 0
+    assert "2 step(s) done, run.num_steps=2: nothing to train" in err
+    assert "raise run.num_steps" in err
 
 
 def test_resume_refuses_a_damaged_checkpoint_naming_file_and_fallback(

@@ -721,6 +721,16 @@ def train(
             _check_resume_config(cfg, latest, run_dir, inputs)
         handler = _setup_logging(run_dir)
         try:
+            done = checkpoint_step(latest) if latest is not None else None
+            if done is not None and done >= cfg.run.num_steps:
+                log.info(
+                    "--resume: %s has %d step(s) done, run.num_steps=%d: nothing to train "
+                    "(raise run.num_steps to continue)",
+                    latest,
+                    done,
+                    cfg.run.num_steps,
+                )
+                return RunResult(run_dir, completed_steps=done, resumed_from=done)
             if removed:
                 log.info("--overwrite: removed %s from %s", ", ".join(removed), run_dir)
             if resume and latest is None:
