@@ -178,8 +178,11 @@ def _sleep_and_wake(group: TrainGroup, pid: int) -> dict[str, int]:
     return {"awake": awake, "asleep": asleep, "again": _rss(pid)}
 
 
-def test_sleep_frees_rss_and_start_up_is_serial(observed: dict[str, Any], tmp_path: Path) -> None:
-    cfg, _ = load_config(None, OVERRIDES)
+def _one_step_measured(
+    observed: dict[str, Any], cfg: Any, run_dir: Path
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """One step of ``cfg``; after it, each worker's model sizes and its RSS around a
+    sleep and a wake-up (:func:`_sleep_and_wake`)."""
     measured: dict[str, dict[str, int]] = {}
     sizes: dict[str, dict[str, int]] = {}
 
@@ -188,8 +191,14 @@ def test_sleep_frees_rss_and_start_up_is_serial(observed: dict[str, Any], tmp_pa
             sizes[role] = _on(group, _model_bytes)
             measured[role] = _sleep_and_wake(group, observed["sampler"].pids[role])
 
-    result = run_module.train(cfg, run_dir=tmp_path / "run", on_step=on_step)
+    result = run_module.train(cfg, run_dir=run_dir, on_step=on_step)
     assert result.completed_steps == 1
+    return sizes, measured
+
+
+def test_sleep_frees_rss_and_start_up_is_serial(observed: dict[str, Any], tmp_path: Path) -> None:
+    cfg, _ = load_config(None, OVERRIDES)
+    sizes, measured = _one_step_measured(observed, cfg, tmp_path / "run")
 
     # -- a sleeping worker gives its parameter + optimizer bytes back, a wake takes them
     for role in ("actor", "critic"):
@@ -255,16 +264,7 @@ def test_offload_none_keeps_both_models_resident(observed: dict[str, Any], tmp_p
         "policy.offload_backend",
         "critic.offload_backend",
     }
-    measured: dict[str, dict[str, int]] = {}
-    sizes: dict[str, dict[str, int]] = {}
-
-    def on_step(report: Any) -> None:
-        for role, group in observed["groups"].items():
-            sizes[role] = _on(group, _model_bytes)
-            measured[role] = _sleep_and_wake(group, observed["sampler"].pids[role])
-
-    result = run_module.train(cfg, run_dir=tmp_path / "run", on_step=on_step)
-    assert result.completed_steps == 1
+    sizes, measured = _one_step_measured(observed, cfg, tmp_path / "run")
     for role in ("actor", "critic"):
         moved = sizes[role]["params"] + sizes[role]["optimizer"]
         rss = measured[role]
