@@ -68,7 +68,11 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _node_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PPO_DRIVER_FAIL_AT")}
+    # An in-process start_local_ray earlier in this pytest process (the placement tests)
+    # leaves its loopback-only switch in os.environ, which makes `ray start` refuse the
+    # second node: the nodes get the environment without it.
+    dropped = ("RAY_ADDRESS", "PPO_DRIVER_FAIL_AT", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         RAY_USAGE_STATS_ENABLED="0",
         RAY_ENABLE_UV_RUN_RUNTIME_ENV="0",
