@@ -181,6 +181,7 @@ class _Lifecycle:
     """
 
     _backend: Backend
+    _offload_off: bool  # offload_backend="none": sleep/wake_up move nothing
     _asleep_parts: frozenset[Part]
     _frozen_asleep: bool
     _groups_live: bool
@@ -217,7 +218,7 @@ class _Lifecycle:
         if not todo:
             log.info("%s.sleep() while already asleep: nothing to do", self._name)
             return
-        if self.config.offload_backend == "none":  # offload off (debugging): bookkeeping only
+        if self._offload_off:  # offload off (debugging): bookkeeping only
             log.info("%s.sleep(): offload_backend='none', nothing leaves the device", self._name)
             self._asleep_parts = self._asleep_parts | todo
             return
@@ -239,7 +240,7 @@ class _Lifecycle:
         process groups (a retry after a failure between wake_up and sleep)."""
         requested = _parts_from(parts)
         todo = requested & self._asleep_parts
-        if self.config.offload_backend == "none":  # nothing left the device
+        if self._offload_off:  # nothing left the device
             self._asleep_parts = self._asleep_parts - todo
             return
         if not todo:
@@ -378,6 +379,7 @@ class ActorWorker(_Lifecycle):
         self.rank = rank
         self._name = "ActorWorker"
         self._role = Role.ACTOR
+        self._offload_off = config.offload_backend == "none"
         self._timeline = []
         self._asleep_parts: frozenset[Part] = frozenset()
         self._frozen_asleep = False  # the reference model (actor with a KL loss)
@@ -812,6 +814,7 @@ class CriticWorker(_Lifecycle):
         self.rank = rank
         self._name = "CriticWorker"
         self._role = Role.CRITIC
+        self._offload_off = config.offload_backend == "none"
         self._timeline = []
         self._asleep_parts: frozenset[Part] = frozenset()
         self._frozen_asleep = False  # the reference model (actor with a KL loss)
