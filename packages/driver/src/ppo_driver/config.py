@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -1335,7 +1336,7 @@ def _check_megatron_model(r: ValidationReport, cfg: DriverConfig, role: Role) ->
         return
     key = f"{role}.model_path" if cfg.model(role).model_path is not None else "policy.model_path"
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(source)
+        hf_config = _hf_config(source)
     except Exception:  # reported by _check_model_dirs
         return
     problems = model_config_problems(hf_config)
@@ -1706,6 +1707,19 @@ def _check_files(r: ValidationReport, cfg: DriverConfig) -> None:
     _check_data(r, cfg, tokenizer)
 
 
+def _hf_config(source: str) -> Any:
+    """``transformers.AutoConfig`` of the model directory ``source``, as the workers load
+    it (raises as that does). Several checks ask for it: it is read once per state of the
+    directory's config.json."""
+    stat = (Path(source) / "config.json").stat()
+    return _hf_config_read(str(Path(source).absolute()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_config_read(source: str, mtime_ns: int, size: int) -> Any:
+    return transformers.AutoConfig.from_pretrained(source)
+
+
 def _check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict[str, Any]]:
     """Each ``model_path`` given: a directory with ``config.json`` (a JSON object) and
     ``*.safetensors`` weights. Returns the config.json of each role whose model comes
@@ -1754,7 +1768,7 @@ def _check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict
                 )
                 continue
             try:
-                transformers.AutoConfig.from_pretrained(model)  # what the workers read
+                _hf_config(str(model))  # what the workers read
             except Exception as exc:  # transformers raises many kinds for a bad config
                 r.errors.append(
                     ConfigProblem(
@@ -1866,7 +1880,7 @@ def _context_length(cfg: DriverConfig, role: Role) -> tuple[int, bool, str] | No
     if source is None:
         return None
     try:
-        hf = transformers.AutoConfig.from_pretrained(source)
+        hf = _hf_config(source)
     except Exception:  # reported by _check_model_dirs
         return None
     length = getattr(hf, "max_position_embeddings", None)
@@ -2110,7 +2124,7 @@ def _check_cluster_address(r: ValidationReport, cfg: DriverConfig) -> None:
 
     address = cfg.cluster.address
     if address is None:
-        _check_local_gpus(r, cfg)
+        _check_local_cluster(r, cfg)
         return
     if not cfg.cluster.logical_gpus:
         r.warnings.append(
@@ -2165,7 +2179,7 @@ def local_num_cpus(cfg: DriverConfig, layout: Layout) -> int:
     return max(4, 2 * cfg.cluster.actor_gpus + cfg.rollout.num_engines, layout.num_gpus)
 
 
-def _check_local_gpus(r: ValidationReport, cfg: DriverConfig) -> None:
+def _check_local_cluster(r: ValidationReport, cfg: DriverConfig) -> None:
     """The local cluster: each bundle the layout reserves takes one CPU of
     ``cluster.num_cpus`` and one GPU (``cluster.logical_gpus=false``: one of the machine's
     CUDA devices)."""

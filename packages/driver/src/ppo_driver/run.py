@@ -551,8 +551,7 @@ def resume_config_changes(
     :data:`RESUME_INPUT_KEYS` compare what the paths point at, not how they are written."""
     out = []
     compared = saved_inputs is not None and inputs is not None
-    if compared:
-        assert saved_inputs is not None and inputs is not None
+    if saved_inputs is not None and inputs is not None:
         for key in RESUME_INPUT_KEYS:
             old, new = saved_inputs.get(key, _MISSING), inputs.get(key)
             if old is _MISSING or _digest(old) == _digest(new):

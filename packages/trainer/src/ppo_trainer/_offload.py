@@ -87,16 +87,18 @@ def resolve_offload_backend(
 ) -> OffloadChoice:
     """The offload backend a model on ``device`` gets for ``requested``.
 
-    ``host_copy`` and ``none`` (offload off, for debugging) stay. ``auto`` is ``memory_saver`` on CUDA when ``torch_memory_saver``
-    is installed and ``backend`` supports it (the torch backend; not megatron), else
-    ``host_copy``. ``memory_saver`` is returned when it can run; otherwise ``ValueError``
-    names ``key``, why, and the fix (``ppo_lifecycle``'s ``torch_memory_saver`` is read as
-    ``memory_saver``).
+    ``host_copy`` and ``none`` (offload off, for debugging) stay. ``auto`` is
+    ``memory_saver`` on CUDA when ``torch_memory_saver`` is installed and ``backend``
+    supports it (the torch backend; not megatron), else ``host_copy``. ``memory_saver`` is
+    returned when it can run; otherwise ``ValueError`` names ``key``, why, and the fix
+    (``ppo_lifecycle``'s ``torch_memory_saver`` is read as ``memory_saver``).
     """
     dev = torch.device(device)
     choice = "memory_saver" if requested == "torch_memory_saver" else requested
-    if choice in ("host_copy", "none"):
-        return "host_copy" if choice == "host_copy" else "none"
+    if choice == "host_copy":
+        return "host_copy"
+    if choice == "none":
+        return "none"
     supported = backend in _MEMORY_SAVER_BACKENDS
     if choice == "auto":
         if supported and dev.type == "cuda" and memory_saver_installed():
