@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ppo_driver.batch import ChunkBatch
 from ppo_trainer import ModelSpec
 from ppo_trainer.testing import (
     EPS32,
@@ -24,6 +25,27 @@ from ppo_trainer.testing import (
     rounding_bound,
 )
 from safetensors.torch import load_file
+
+
+def chunk_batch(pids: list[int], width: int) -> ChunkBatch:
+    """A filled ``ChunkBatch`` of one sample per entry of ``pids`` (its prompt index),
+    ``width`` tokens each: distinct token ids, rewards ``0, 1, ...``, zeros elsewhere."""
+    b = len(pids)
+    zeros = torch.zeros(b, width)
+    return ChunkBatch(
+        input_ids=torch.arange(b * width).reshape(b, width) + 3,
+        attention_mask=torch.ones(b, width, dtype=torch.long),
+        loss_mask=torch.ones(b, width),
+        rewards=zeros,
+        engine_logprobs=zeros,
+        sample_rewards=torch.arange(float(b)),
+        weight_versions=torch.zeros(b, dtype=torch.long),
+        prompt_indices=torch.tensor(pids),
+        old_values=zeros,
+        advantages=zeros,
+        returns=zeros,
+    )
+
 
 TINY_MODELS = [
     f"{role}.{key}={value}"

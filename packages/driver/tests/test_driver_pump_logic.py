@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from driver_testlib import chunk_batch
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.pump import ChunkGate, NonFiniteError, check_finite_metrics
 from ppo_driver.workers import GroupResult, data_parallel_layout, mini_batch_order, shard_rows
@@ -82,27 +83,9 @@ def test_steps_never_share_or_lose_groups() -> None:
     assert sorted(seen) == list(range(24))
 
 
-def _chunk(pids: list[int], width: int) -> ChunkBatch:
-    b = len(pids)
-    zeros = torch.zeros(b, width)
-    return ChunkBatch(
-        input_ids=torch.arange(b * width).reshape(b, width) + 3,
-        attention_mask=torch.ones(b, width, dtype=torch.long),
-        loss_mask=torch.ones(b, width),
-        rewards=zeros,
-        engine_logprobs=zeros,
-        sample_rewards=torch.arange(float(b)),
-        weight_versions=torch.zeros(b, dtype=torch.long),
-        prompt_indices=torch.tensor(pids),
-        old_values=zeros,
-        advantages=zeros,
-        returns=zeros,
-    )
-
-
 def test_step_batch_pads_and_orders_by_prompt() -> None:
     full = StepBatch.assemble(
-        [_chunk([5, 1], 3), _chunk([0, 2, 4], 5)], pad_id=0, group_sizes=[2, 3]
+        [chunk_batch([5, 1], 3), chunk_batch([0, 2, 4], 5)], pad_id=0, group_sizes=[2, 3]
     )
     assert full.prompt_indices.tolist() == [0, 1, 2, 4, 5]
     assert full.input_ids.shape == (5, 5)
@@ -114,9 +97,9 @@ def test_step_batch_pads_and_orders_by_prompt() -> None:
 
 
 def test_chunk_batch_names_the_stage_of_a_field_not_filled_yet() -> None:
-    rows = _chunk([0], 2).model_inputs()
+    rows = chunk_batch([0], 2).model_inputs()
     assert sorted(rows) == ["attention_mask", "input_ids", "loss_mask"]
-    bare = dataclasses.replace(_chunk([0], 2), advantages=None)
+    bare = dataclasses.replace(chunk_batch([0], 2), advantages=None)
     with pytest.raises(ValueError, match="advantages is not filled yet"):
         bare.need("advantages")
     with pytest.raises(ValueError, match=r"missing \['rewards'"):

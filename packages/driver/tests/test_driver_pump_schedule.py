@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from driver_testlib import TINY_RUN
+from driver_testlib import TINY_RUN, chunk_batch
 from ppo_driver.batch import StepBatch
 from ppo_driver.config import DriverConfig, load_config, sampler_config
 from ppo_driver.pump import TrainPump
@@ -330,21 +330,7 @@ def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections(
 
 
 def _step_batch(prompt_indices: list[int]) -> StepBatch:
-    b, width = len(prompt_indices), 4
-    zeros = torch.zeros(b, width)
-    return StepBatch(
-        input_ids=torch.full((b, width), 3),
-        attention_mask=torch.ones(b, width, dtype=torch.long),
-        loss_mask=torch.ones(b, width),
-        rewards=zeros,
-        engine_logprobs=zeros,
-        sample_rewards=torch.zeros(b),
-        weight_versions=torch.zeros(b, dtype=torch.long),
-        prompt_indices=torch.tensor(prompt_indices),
-        old_values=zeros,
-        advantages=zeros,
-        returns=zeros,
-    )
+    return StepBatch(**vars(chunk_batch(prompt_indices, 4)))
 
 
 def test_no_short_batch_guard_checks_every_group_size() -> None:
