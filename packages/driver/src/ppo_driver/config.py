@@ -44,6 +44,7 @@ from ppo_trainer import (
 )
 
 __all__ = [
+    "ADV_NORMALIZATIONS",
     "AdvEstimatorConfig",
     "AsyncRLConfig",
     "ClusterConfig",
@@ -95,9 +96,18 @@ class RunConfig:
     tensorboard: bool = False
 
 
+ADV_NORMALIZATIONS = ("previous_step", "chunk")
+
+
 @dataclass
 class AdvEstimatorConfig:
     normalize_advantages: bool = True
+    # previous_step (the project's): every chunk of a step is whitened with the statistics
+    # of the previous step's whole batch, fixed before the step starts (none yet: not
+    # normalised), so a streamed step learns what a full-batch step learns.
+    # chunk (the streaming document's): each chunk with its own statistics (full-batch:
+    # the batch's), so the chunk boundaries change the gradients.
+    normalization: str = "previous_step"
     gamma: float = 1.0
     lam: float = 0.95
 
@@ -106,7 +116,7 @@ class AdvEstimatorConfig:
 class PPOConfig:
     num_prompts_per_step: int = 64
     num_generations_per_prompt: int = 4
-    ppo_epochs: int = 1
+    ppo_epochs: int = 4
     critic_ppo_epochs: int = 1
     critic_warmup_steps: int = 0
     critic_mini_batch_size: int = 64
@@ -910,6 +920,15 @@ def _check_driver_ranges(r: ValidationReport, cfg: DriverConfig) -> None:
         ("ppo.adv_estimator.lam", ppo.adv_estimator.lam),
     ):
         _need(r, key, val, 0.0 <= val <= 1.0, "in [0, 1]")
+    norm = ppo.adv_estimator.normalization
+    _need(
+        r,
+        "ppo.adv_estimator.normalization",
+        norm,
+        norm in ADV_NORMALIZATIONS,
+        " or ".join(ADV_NORMALIZATIONS),
+        ADV_NORMALIZATIONS[0],
+    )
 
     # generation: what the engines' SamplingParams accept (temperature 0 is greedy)
     _need(r, "rollout.temperature", ro.temperature, ro.temperature >= 0, ">= 0 (0: greedy)")
@@ -933,8 +952,8 @@ def _streams(cfg: DriverConfig) -> bool:
 
 
 def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
-    """The document's rules: no reward-level KL (shared actor/critic), one policy epoch
-    while streaming."""
+    """The document's rules: no reward-level KL (shared actor/critic). Several policy
+    epochs while streaming are the project's extension (the pump's ``train_epochs``)."""
     if cfg.ppo.kl_coef != 0:
         r.errors.append(
             ConfigProblem(
@@ -943,17 +962,6 @@ def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
                 "reward-level KL (folded into GAE rewards) is not supported when actor and critic share "
                 "devices: the critic cannot fold the actor's log-probs into its targets",
                 "set ppo.kl_coef=0 and use the KL loss instead (ppo.kl_loss_coef > 0)",
-            )
-        )
-    epochs = cfg.ppo.ppo_epochs
-    if _streams(cfg) and epochs > 1:
-        r.errors.append(
-            ConfigProblem(
-                "ppo.ppo_epochs",
-                epochs,
-                f"{_streaming_why(cfg)} and streaming allows exactly one policy epoch",
-                "set ppo.ppo_epochs=1, or async_rl.min_groups_for_streaming_train="
-                f"{cfg.batch_groups} for full-batch mode",
             )
         )
 

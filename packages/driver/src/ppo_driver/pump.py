@@ -5,11 +5,14 @@ document's; the worker calls are in docs/interfaces.md):
 
     for each chunk the sampler releases:
         critic: value forward (unchanged critic)           -> old values
-        driver: GAE per sample, advantages whitened per chunk
+        driver: GAE per sample, advantages whitened with statistics fixed before the
+                step (``normalization: previous_step``) or per chunk (``chunk``)
         actor : one call: forward + backward, loss scaled by the whole step's count;
-                with one policy epoch the old log-probs are this forward's own
+                the old log-probs are this forward's own (the weights do not change
+                until the update); with K policy epochs the rank keeps them
     after the last chunk:
-        actor : one optimizer step -> refit (generation gets the new policy)
+        actor : one optimizer step; epochs 2..K over the kept chunks (one update each)
+                -> refit (generation gets the new policy)
         critic: critic_ppo_epochs over the assembled step batch
         driver: release the step's rows, count the step
 
@@ -35,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from ppo_lifecycle import Action, CallPlan, Phase, ResidencyPlanner, Role, Transition, Work
 from ppo_sampler import Sampler
-from ppo_trainer import gae, masked_whiten
+from ppo_trainer import Moments, combine_moments, gae, masked_moments, masked_whiten, whiten_with
 
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.config import DriverConfig
@@ -194,6 +197,7 @@ class _StepState:
     chunk_metrics: list[dict[str, float]] = field(default_factory=list)
     waited: float = 0.0
     refit_s: float = 0.0
+    adv_moments: list[Moments] = field(default_factory=list)  # raw, per chunk
 
 
 _CHUNK_KEYS = ("actor/valid_tokens", "loss/pg", "actor/clipfrac", "actor/approx_kl")
@@ -244,14 +248,23 @@ class TrainPump:
         self._policy_ahead = False
         self._gen_window: dict[int, list[float]] = {}  # step -> [first poll, last arrival]
         self._step_of: Callable[[int], int] = step_of or (lambda gid: gid // cfg.batch_groups)
+        # the raw advantages' statistics of the last finished step (normalization:
+        # previous_step); None until a step has finished
+        self.adv_stats: Moments | None = None
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, int]:
-        return {"completed_steps": self.completed_steps, "weight_version": self.weight_version}
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "completed_steps": self.completed_steps,
+            "weight_version": self.weight_version,
+            "adv_stats": None if self.adv_stats is None else list(self.adv_stats),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.completed_steps = int(state["completed_steps"])
         self.weight_version = int(state["weight_version"])
+        stats = state.get("adv_stats")  # absent in checkpoints of ppo-driver < 0.7
+        self.adv_stats = None if stats is None else Moments(*(float(x) for x in stats))
 
     def restore_generation(self) -> None:
         """After a resume: the engines get the checkpoint's policy (weight version)."""
@@ -313,6 +326,7 @@ class TrainPump:
         critic = self._critic_train(s, batch, colocated=colocated)
         ids = self.gate.finish_step()  # release consumed rows, then count the step
         self.rollout.release(ids)
+        self.adv_stats = combine_moments(s.adv_moments)  # the next step's normalisation
         self.completed_steps += 1
         self._policy_ahead = False
         self.in_update = False
@@ -353,7 +367,7 @@ class TrainPump:
         resident; its sleep and the critic's wake-up are queued for the wait."""
         ppo = self.cfg.ppo
         rows = Rows(chunk.model_inputs())
-        backward = s.policy and not self._policy_epochs
+        backward = s.policy and not self._logprob_pass
         if backward:
             after_values: tuple[Phase, ...] = ()
         elif more:
@@ -375,9 +389,7 @@ class TrainPump:
             gamma=ppo.adv_estimator.gamma,
             lam=ppo.adv_estimator.lam,
         )
-        if ppo.adv_estimator.normalize_advantages:  # whitened per chunk
-            advantages = masked_whiten(values=advantages, mask=chunk.loss_mask)
-        chunk.advantages = advantages
+        chunk.advantages = self._normalize(s, advantages, chunk.loss_mask)
         if backward:
             started = self._submit(
                 actor_plan,
@@ -386,24 +398,60 @@ class TrainPump:
                 "train_chunk",
                 s.step,
                 rows=rows,
-                per_sample={"advantages": advantages, "engine_logprobs": chunk.engine_logprobs},
+                per_sample={
+                    "advantages": chunk.advantages,
+                    "engine_logprobs": chunk.engine_logprobs,
+                },
                 loss_denominator=s.denominator,
+                keep=ppo.ppo_epochs > 1,  # the rank keeps the chunk for epochs 2..K
             )
             s.chunk_metrics.append(self._result(started).summed())
         s.chunks.append(chunk)
 
+    def _normalize(
+        self, s: _StepState, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The chunk's advantages as the actor gets them; the returns are never whitened.
+
+        ``previous_step``: whitened with the statistics of the previous step's whole
+        batch, fixed before this step (not normalised while there is none), so every
+        chunk, and a full-batch step, is normalised alike. ``chunk``: with the chunk's
+        own statistics (the streaming document's; full-batch: the batch's)."""
+        est = self.cfg.ppo.adv_estimator
+        s.adv_moments.append(masked_moments(values=advantages, mask=mask))
+        if not est.normalize_advantages:
+            return advantages
+        if est.normalization == "chunk":
+            return masked_whiten(values=advantages, mask=mask)
+        if self.adv_stats is None or self.adv_stats.count < 2:
+            return advantages
+        return whiten_with(values=advantages, mask=mask, stats=self.adv_stats)
+
     # ---------------------------------------------------------------- after the chunks
     @property
-    def _policy_epochs(self) -> bool:
-        """Full-batch with several policy epochs: old log-probs from a separate forward."""
+    def _logprob_pass(self) -> bool:
+        """Full-batch with several policy epochs: old log-probs from a separate forward
+        (as verl and OpenRLHF compute them). Streaming never runs one: the streamed pass's
+        own forward gives them, kept on the actor ranks for epochs 2..K."""
         return not self.cfg.streaming and self.cfg.ppo.ppo_epochs > 1
 
     def _policy_update(self, s: _StepState, batch: StepBatch) -> dict[str, float]:
         final = None if s.final else batch.valid_tokens()
-        if not self._policy_epochs:
-            return self._call(
+        if not self._logprob_pass:
+            update = self._call(
                 Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
             ).reduced()
+            epochs = self.cfg.ppo.ppo_epochs - 1
+            if epochs:  # streamed: epochs 2..K over the chunks the actor ranks kept
+                update = self._call(
+                    Role.ACTOR,
+                    Phase.POLICY_UPDATE,
+                    "train_epochs",
+                    s.step,
+                    epochs=epochs,
+                    loss_denominator=s.denominator if final is None else final,
+                ).reduced()
+            return update
         rows = Rows(batch.model_inputs())
         old = self._call(
             Role.ACTOR,

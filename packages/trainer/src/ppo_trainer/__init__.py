@@ -4,7 +4,8 @@ Public API (see the package README and docs/interfaces.md):
 
 * math: ``gae`` (pinned), ``policy_loss``, ``value_loss``, ``kl_penalty``,
   ``entropy_from_logits``, ``logprobs_from_logits``, ``masked_mean``, ``masked_sum``,
-  ``masked_whiten``, ``aggregate_loss``, ``check_reward_kl``, ``MAX_LOG_RATIO``;
+  ``masked_whiten``, ``masked_moments`` / ``combine_moments`` / ``whiten_with`` (``Moments``:
+  advantage statistics fixed before a streamed step), ``aggregate_loss``, ``check_reward_kl``, ``MAX_LOG_RATIO``;
 * configs: ``ModelSpec``, ``ActorConfig``, ``CriticConfig``;
 * workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``,
   ``Mesh`` (``worker.mesh()``), ``Timeline`` (``worker.last_timeline()``); lifecycle
@@ -40,19 +41,23 @@ from ppo_trainer._config import (
 )
 from ppo_trainer._math import (
     MAX_LOG_RATIO,
+    Moments,
     PolicyLoss,
     ValueLoss,
     aggregate_loss,
     check_reward_kl,
+    combine_moments,
     entropy_from_logits,
     gae,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
+    masked_moments,
     masked_sum,
     masked_whiten,
     policy_loss,
     value_loss,
+    whiten_with,
 )
 from ppo_trainer._offload import (
     CommunicatorSuspender,
@@ -92,6 +97,7 @@ __all__ = [
     "FrozenModel",
     "Mesh",
     "ModelSpec",
+    "Moments",
     "PolicyLoss",
     "Timeline",
     "TrainModel",
@@ -103,6 +109,7 @@ __all__ = [
     "build_causal_lm",
     "build_value_model",
     "check_reward_kl",
+    "combine_moments",
     "entropy_from_logits",
     "gae",
     "get_backend",
@@ -112,6 +119,7 @@ __all__ = [
     "loss_denominator",
     "lr_multiplier",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_whiten",
     "memory_saver_installed",
@@ -120,4 +128,5 @@ __all__ = [
     "resolve_offload_backend",
     "save_hf_checkpoint",
     "value_loss",
+    "whiten_with",
 ]

@@ -19,6 +19,8 @@ agree, values and gradients.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -26,15 +28,18 @@ from torch import Tensor
 
 __all__ = [
     "MAX_LOG_RATIO",
+    "Moments",
     "PolicyLoss",
     "ValueLoss",
     "aggregate_loss",
     "check_reward_kl",
+    "combine_moments",
     "entropy_from_logits",
     "gae",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_whiten",
     "policy_loss",
@@ -126,6 +131,58 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, torch.zeros_like(values))
+
+
+class Moments(NamedTuple):
+    """Count, mean and Bessel-corrected variance of the valid positions (Python floats,
+    computed in float64): the statistics ``masked_whiten`` uses, as data that can be
+    combined over chunks (``combine_moments``) and applied later (``whiten_with``)."""
+
+    count: float
+    mean: float
+    var: float
+
+
+def masked_moments(*, values: Tensor, mask: Tensor) -> Moments:
+    """``Moments`` of ``values`` over ``mask == 1`` (``values, mask: [B, T]``); the
+    variance is 0 with fewer than two valid positions, as in ``masked_whiten``."""
+    _check_2d(values=values, mask=mask)
+    valid = _valid_only(values.detach().to(torch.float64), mask.bool())
+    count = float(mask.bool().sum().item())
+    if count == 0:
+        return Moments(0.0, 0.0, 0.0)
+    mean = float(valid.sum().item()) / count
+    centered = torch.where(mask.bool(), valid - mean, torch.zeros_like(valid))
+    var = float((centered * centered).sum().item()) / max(count - 1.0, 1.0)
+    return Moments(count, mean, var)
+
+
+def combine_moments(parts: Sequence[Moments]) -> Moments:
+    """The ``Moments`` of the union of disjoint sets, from each set's (Chan et al.'s
+    pairwise update, in float64): equal to ``masked_moments`` of the concatenation up
+    to float64 rounding, whatever the split."""
+    count, mean, m2 = 0.0, 0.0, 0.0
+    for p in parts:
+        if p.count == 0:
+            continue
+        total = count + p.count
+        delta = p.mean - mean
+        m2 += p.var * max(p.count - 1.0, 0.0) + delta * delta * count * p.count / total
+        mean += delta * p.count / total
+        count = total
+    return Moments(count, mean, m2 / max(count - 1.0, 1.0) if count else 0.0)
+
+
+def whiten_with(*, values: Tensor, mask: Tensor, stats: Moments, eps: float = 1e-8) -> Tensor:
+    """``(values - stats.mean) / sqrt(stats.var + eps)`` at valid positions, 0 elsewhere:
+    ``masked_whiten`` with statistics given instead of taken from ``values`` (e.g. fixed
+    before a streamed step, so that every chunk is normalised alike). ``values, mask:
+    [B, T]``; the result has ``values``' dtype."""
+    _check_2d(values=values, mask=mask)
+    if not (stats.var >= 0 and math.isfinite(stats.mean) and math.isfinite(stats.var)):
+        raise ValueError(f"stats={stats!r} are invalid: need a finite mean and a variance >= 0")
+    scaled = (values - stats.mean) * (1.0 / math.sqrt(stats.var + eps))
+    return torch.where(mask.bool(), scaled, torch.zeros_like(values))
 
 
 def gae(

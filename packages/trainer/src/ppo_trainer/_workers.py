@@ -360,7 +360,9 @@ class ActorWorker(_Lifecycle):
 
     One step: any number of ``train_chunk`` calls (chunks), each with the same
     ``loss_denominator``, then one ``finish_step``. Gradients accumulate across chunks and
-    stay resident through ``sleep(parts=KEEP_GRADIENTS)``. ``compute_logprobs``,
+    stay resident through ``sleep(parts=KEEP_GRADIENTS)``. Several policy epochs while
+    streaming: the chunks pass ``keep=True``, and after ``finish_step`` one
+    ``train_epochs(epochs=K - 1)`` runs the other epochs over the kept chunks. ``compute_logprobs``,
     ``train_chunk``, ``finish_step`` and ``export_weights`` take the lifecycle options
     ``wake_first`` / ``sleep_after`` and record ``last_timeline()``.
     """
@@ -394,6 +396,7 @@ class ActorWorker(_Lifecycle):
         )
         self.global_step = 0
         self._reset_step()
+        self._drop_kept()
 
     def _models(self) -> list[tuple[FrozenModel, bool]]:
         out: list[tuple[FrozenModel, bool]] = [(self._policy, True)]
@@ -414,6 +417,11 @@ class ActorWorker(_Lifecycle):
             "clipfrac": 0.0,
             "approx_kl": 0.0,
         }
+
+    def _drop_kept(self) -> None:
+        """Forget the kept chunks (``train_chunk(keep=True)``) and their counts."""
+        self._kept: list[dict[str, Tensor]] = []
+        self._kept_counts = {"tokens": 0.0, "samples": 0.0, "rows": 0.0}
 
     def counters(self) -> dict[str, int]:
         """Samples (rows) that went through each pass since construction:
@@ -484,6 +492,7 @@ class ActorWorker(_Lifecycle):
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
         engine_logprobs: Tensor | None = None,
+        keep: bool = False,
         wake_first: bool | Iterable[Part] = False,
         sleep_after: Iterable[Part] | None = None,
     ) -> dict[str, float]:
@@ -504,6 +513,13 @@ class ActorWorker(_Lifecycle):
         engine's log-probs of the sampled tokens; adds
         ``"rollout/kl_engine_trainer_sum"``, the sum over valid tokens of the k3 estimate
         ``exp(d) - 1 - d``, ``d = old_logprobs - engine_logprobs`` (float64).
+
+        ``keep=True``: this rank also keeps the chunk (its micro-batches on the CPU, with
+        the advantages, the reference log-probs when a KL loss is used, and the old
+        log-probs: this forward's own, detached, or the ``old_logprobs`` given) for the
+        later policy epochs of the step, ``train_epochs``. Nothing extra is returned:
+        the old log-probs stay on the rank that computed them. The first chunk of a step
+        drops whatever an earlier, unfinished step kept.
 
         Returns this chunk's metrics. Sums over the chunk (add them up over chunks and
         data-parallel ranks): ``actor/valid_tokens``, ``rollout/kl_engine_trainer_sum``
@@ -550,8 +566,12 @@ class ActorWorker(_Lifecycle):
             metrics["loss/entropy"] = 0.0
         if engine_logprobs is not None:
             metrics["rollout/kl_engine_trainer_sum"] = 0.0
+        if self._chunks == 0:
+            self._drop_kept()  # a new step (an aborted one's chunks are stale)
         self._chunks += 1
         self._sums["rows"] += float(mask.shape[0])
+        if keep:
+            self._kept_counts["rows"] += float(mask.shape[0])
         if tokens == 0:
             return metrics
         tensors = {
@@ -573,14 +593,16 @@ class ActorWorker(_Lifecycle):
                 mb["ref_logprobs"] = ref
             self._counters["reference_forward"] += _rows(mbs)
         results = self._policy.forward_backward(
-            mbs, loss_fn=partial(self._loss, denominator=self._denominator)
+            mbs, loss_fn=partial(self._loss, denominator=self._denominator, keep=keep)
         )
         self._counters["policy_forward_backward"] += _rows(mbs)
-        chunk = {k: sum(r[k] for r in results) for k in results[0]}
-        self._sums["tokens"] += tokens
-        self._sums["samples"] += samples
-        for k in ("pg", "kl", "entropy", "clipfrac", "approx_kl"):
-            self._sums[k] += chunk[k]
+        chunk = self._add_sums(results, tokens=tokens, samples=samples)
+        if keep:  # the old log-probs were put into each micro-batch by _loss
+            for mb in mbs:
+                mb.pop("engine_logprobs", None)
+                self._kept.append({k: v.to("cpu") for k, v in mb.items()})
+            self._kept_counts["tokens"] += tokens
+            self._kept_counts["samples"] += samples
         metrics["loss/pg"] = chunk["pg"]
         metrics["actor/clipfrac"] = chunk["clipfrac"] / tokens
         metrics["actor/approx_kl"] = chunk["approx_kl"] / tokens
@@ -592,13 +614,91 @@ class ActorWorker(_Lifecycle):
             metrics["rollout/kl_engine_trainer_sum"] = chunk["kl_engine"]
         return metrics
 
+    def _add_sums(
+        self, results: Sequence[Mapping[str, float]], *, tokens: float, samples: float
+    ) -> dict[str, float]:
+        """One pass's micro-batch results, summed, added to the step's sums."""
+        summed = {k: sum(r[k] for r in results) for k in results[0]}
+        self._sums["tokens"] += tokens
+        self._sums["samples"] += samples
+        for k in ("pg", "kl", "entropy", "clipfrac", "approx_kl"):
+            self._sums[k] += summed[k]
+        return summed
+
+    @lifecycle_options
+    def train_epochs(
+        self,
+        *,
+        epochs: int,
+        loss_denominator: float,
+        wake_first: bool | Iterable[Part] = False,
+        sleep_after: Iterable[Part] | None = None,
+    ) -> dict[str, float]:
+        """Policy epochs 2..K of a streamed step, after its ``finish_step``: ``epochs``
+        passes over the chunks this rank kept (``train_chunk(keep=True)``), each a
+        forward + backward with the kept old log-probs and advantages followed by one
+        optimizer + scheduler update exactly as ``finish_step`` makes it. The kept
+        chunks are dropped afterwards.
+
+        The computation is that of ``epochs`` more full-batch epochs over the assembled
+        step: the weights did not change between the streamed chunks, so each chunk's
+        own forward gave the old log-probs, and no log-prob forward runs here.
+        ``loss_denominator``: the whole step's final count over all ranks (the true one,
+        as ``finish_step`` checks). Returns the last update's metrics (``finish_step``'s).
+        Raises ``ValueError`` when nothing was kept on any rank, or when a step is still
+        open (``train_chunk`` without ``finish_step``).
+        """
+        self._require_awake("train_epochs")
+        if not (isinstance(epochs, int) and epochs >= 1):
+            raise ValueError(
+                f"epochs={epochs!r} is invalid: pass the number of epochs after the first (>= 1)"
+            )
+        if self._chunks:
+            raise ValueError(
+                "train_epochs() with an open step: call finish_step() after the chunks first "
+                "(epoch 1's update), then train_epochs() for the others"
+            )
+        kept = self._all_reduce_counts()
+        if kept["rows"] == 0:
+            raise ValueError(
+                "train_epochs(): no chunk was kept on any rank; pass keep=True to every "
+                "train_chunk() of the step"
+            )
+        out: dict[str, float] = {}
+        try:
+            for _ in range(epochs):
+                self._denominator = float(loss_denominator)
+                self._chunks = 1
+                self._sums["rows"] += self._kept_counts["rows"]
+                if self._kept:
+                    mbs = [
+                        {k: v.to(self._backend.device) for k, v in mb.items()} for mb in self._kept
+                    ]
+                    results = self._policy.forward_backward(
+                        mbs, loss_fn=partial(self._loss, denominator=self._denominator, keep=False)
+                    )
+                    self._counters["policy_forward_backward"] += _rows(mbs)
+                    counts = self._kept_counts
+                    self._add_sums(results, tokens=counts["tokens"], samples=counts["samples"])
+                out = self._finish(None)
+        finally:
+            self._drop_kept()
+        return out
+
+    def _all_reduce_counts(self) -> dict[str, float]:
+        keys = ("tokens", "samples", "rows")
+        reduced = self._backend.all_reduce_sum([self._kept_counts[k] for k in keys])
+        return dict(zip(keys, reduced, strict=True))
+
     def _loss(
-        self, logits: Tensor, mb: Batch, denominator: float
+        self, logits: Tensor, mb: Batch, denominator: float, keep: bool = False
     ) -> tuple[Tensor, dict[str, float]]:
         cfg = self.config
         mask = mb["loss_mask"]
         logprobs = _logprobs_fn(logits, mb)
         old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()
+        if keep:  # the later epochs' old log-probs (the same tensor this epoch uses)
+            mb["old_logprobs"] = old
         pl = policy_loss(
             logprobs=logprobs,
             old_logprobs=old,
@@ -671,6 +771,9 @@ class ActorWorker(_Lifecycle):
         step had no valid token on any rank, both before any update (gradients zeroed).
         """
         self._require_awake("finish_step")
+        return self._finish(loss_denominator)
+
+    def _finish(self, loss_denominator: float | None) -> dict[str, float]:
         if loss_denominator is not None and not (
             isinstance(loss_denominator, int | float) and loss_denominator > 0
         ):
@@ -791,6 +894,7 @@ class ActorWorker(_Lifecycle):
         self._policy.load_checkpoint_state(state["backend"])
         self.global_step = int(state["global_step"])
         self._reset_step()
+        self._drop_kept()
 
 
 # --------------------------------------------------------------------------- critic
