@@ -294,6 +294,140 @@ def test_streaming_chunk_is_its_own_old_policy(backend: str) -> None:
     }
 
 
+TINY_PARAMS_MIN = range(4)  # the tiny model has more than a handful of tensors
+
+
+def _flat(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor (numbers as 0-d tensors) of a nested checkpoint state, by path."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, int | float) and not isinstance(state, bool):
+        return {prefix: torch.tensor(float(state), dtype=torch.float64)}
+    items: Any = (
+        state.items()
+        if isinstance(state, dict)
+        else enumerate(state)
+        if isinstance(state, list | tuple)
+        else ()
+    )
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}/{k}"))
+    return out
+
+
+def _full_batch_epochs(
+    worker: ActorWorker, data: PPOData, *, epochs: int, den: float
+) -> dict[str, float]:
+    """The full-batch reference of K policy epochs (as verl computes them): one log-prob
+    forward for the old log-probs, then per epoch one ``train_chunk`` over the whole
+    batch with them and one update."""
+    old = worker.compute_logprobs(data.batch)
+    ref = worker.compute_ref_logprobs(data.batch) if worker.config.use_reference else None
+    out: dict[str, float] = {}
+    for _ in range(epochs):
+        worker.train_chunk(
+            data.batch,
+            advantages=data.advantages,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            loss_denominator=den,
+        )
+        out = worker.finish_step()
+    return out
+
+
+def _streamed_epochs(
+    worker: ActorWorker, data: PPOData, chunks: list[list[int]], *, epochs: int, den: float
+) -> dict[str, float]:
+    """Epoch 1 streamed over ``chunks`` (each its own old policy, kept on the rank), one
+    update, then ``train_epochs`` for epochs 2..K over the kept chunks."""
+    for rows in chunks:
+        part = data.rows(rows)
+        worker.train_chunk(
+            part.batch, advantages=part.advantages, loss_denominator=den, keep=epochs > 1
+        )
+    out = worker.finish_step()
+    if epochs > 1:
+        out = worker.train_epochs(epochs=epochs - 1, loss_denominator=den)
+    return out
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        pytest.param([1, 5], id="1+5"),
+        pytest.param([3, 3], id="3+3"),
+        pytest.param([1, 1, 1, 1, 1, 1], id="6x1"),
+    ],
+)
+def test_streamed_epochs_equal_full_batch_epochs(
+    backend: str, sizes: list[int], epochs: int
+) -> None:
+    """K policy epochs while streaming (epoch 1 over the chunks, epochs 2..K over the
+    kept chunks) are the computation of K full-batch epochs with a separate log-prob
+    forward: one micro-batch per row, so both runs push the same micro-batches through
+    the same kernels in the same order, and parameters and Adam moments agree EXACTLY
+    (a bound of 0: nothing differs but the call boundaries), KL loss and entropy on.
+    No log-prob forward runs while streaming: K forward+backward passes per sample."""
+    kw: dict[str, Any] = {
+        "loss_agg": "sample",
+        "kl_loss_coef": 0.05,
+        "entropy_coef": 0.01,
+        "micro_batch_size": 1,
+    }
+    data = make_data(6)
+    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="sample")
+    full, streamed = (
+        ActorWorker(actor_config(backend, **kw)),
+        ActorWorker(actor_config(backend, **kw)),
+    )
+    m_full = _full_batch_epochs(full, data, epochs=epochs, den=den)
+    m_stream = _streamed_epochs(streamed, data, split(sizes), epochs=epochs, den=den)
+    assert m_full["actor/step"] == m_stream["actor/step"] == float(epochs)
+    if epochs > 1:
+        assert m_full["actor/clipfrac"] > 0  # later epochs move off ratio 1
+    for key in ("loss/pg", "loss/kl", "loss/entropy", "actor/grad_norm", "actor/clipfrac"):
+        assert m_stream[key] == m_full[key], key
+    # parameters, Adam's moments and step counts, the scheduler: everything a checkpoint holds
+    got, want = _flat(streamed._policy.checkpoint_state()), _flat(full._policy.checkpoint_state())
+    assert len(want) > 3 * len(TINY_PARAMS_MIN)
+    assert_states_close(got, want, rtol=0, atol=0)
+    assert streamed.counters() == {
+        "policy_forward": 0,  # no log-prob forward while streaming
+        "policy_forward_backward": 6 * epochs,
+        "reference_forward": 6,  # once, kept with the old log-probs
+    }
+    assert full.counters()["policy_forward"] == 6
+
+
+def test_streamed_epochs_use_the_pre_update_log_probs(backend: str) -> None:
+    """The kept old log-probs are those of the weights BEFORE the step's first update:
+    re-computing them after epoch 1 (ratio 1 again in epoch 2) is another computation,
+    which the equality above would catch; refusals: ``train_epochs`` before
+    ``finish_step``, or with nothing kept."""
+    kw: dict[str, Any] = {"micro_batch_size": 1, "loss_agg": "sample"}
+    data = make_data(6)
+    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="sample")
+    kept, recomputed = (
+        ActorWorker(actor_config(backend, **kw)),
+        ActorWorker(actor_config(backend, **kw)),
+    )
+    _streamed_epochs(kept, data, split([3, 3]), epochs=2, den=den)
+    for _ in range(2):  # the wrong way: each epoch its own old log-probs
+        recomputed.train_chunk(data.batch, advantages=data.advantages, loss_denominator=den)
+        recomputed.finish_step()
+    a, b = kept.export_weights(), recomputed.export_weights()
+    assert a is not None and b is not None
+    assert max_diff(a, b) > 0
+    with pytest.raises(ValueError, match="no chunk was kept"):
+        kept.train_epochs(epochs=1, loss_denominator=den)
+    kept.train_chunk(data.batch, advantages=data.advantages, loss_denominator=den, keep=True)
+    with pytest.raises(ValueError, match="finish_step"):
+        kept.train_epochs(epochs=1, loss_denominator=den)
+
+
 def test_token_denominator_known_only_at_finish(backend: str) -> None:
     """Streaming with loss_agg=token: chunks use a provisional denominator, finish_step
     gets the true one and rescales; same gradients and parameters as the full batch."""

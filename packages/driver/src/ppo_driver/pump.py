@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from ppo_lifecycle import Action, CallPlan, Phase, ResidencyPlanner, Role, Transition, Work
 from ppo_sampler import Sampler
-from ppo_trainer import Moments, combine_moments, gae, masked_moments, masked_whiten, whiten_with
+from ppo_trainer import Moments, gae, masked_moments, masked_whiten, whiten_with
 
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.config import DriverConfig
@@ -197,7 +197,7 @@ class _StepState:
     chunk_metrics: list[dict[str, float]] = field(default_factory=list)
     waited: float = 0.0
     refit_s: float = 0.0
-    adv_moments: list[Moments] = field(default_factory=list)  # raw, per chunk
+    raw_advantages: list[torch.Tensor] = field(default_factory=list)  # valid ones, per chunk
 
 
 _CHUNK_KEYS = ("actor/valid_tokens", "loss/pg", "actor/clipfrac", "actor/approx_kl")
@@ -326,7 +326,7 @@ class TrainPump:
         critic = self._critic_train(s, batch, colocated=colocated)
         ids = self.gate.finish_step()  # release consumed rows, then count the step
         self.rollout.release(ids)
-        self.adv_stats = combine_moments(s.adv_moments)  # the next step's normalisation
+        self.adv_stats = _moments(s.raw_advantages)  # the next step's normalisation
         self.completed_steps += 1
         self._policy_ahead = False
         self.in_update = False
@@ -418,7 +418,7 @@ class TrainPump:
         chunk, and a full-batch step, is normalised alike. ``chunk``: with the chunk's
         own statistics (the streaming document's; full-batch: the batch's)."""
         est = self.cfg.ppo.adv_estimator
-        s.adv_moments.append(masked_moments(values=advantages, mask=mask))
+        s.raw_advantages.append(advantages[mask.bool()])
         if not est.normalize_advantages:
             return advantages
         if est.normalization == "chunk":
@@ -768,6 +768,13 @@ _PHASE_OF = {
     Phase.CRITIC_TRAIN: "critic",
     Phase.REFIT: "export",  # the actor's weights read between steps (the HF export)
 }
+
+
+def _moments(valid: Sequence[torch.Tensor]) -> Moments:
+    """The statistics of a step's valid raw advantages, taken in the step batch's order
+    (the chunks' concatenation: the same numbers in the same order as one full batch)."""
+    values = torch.cat(list(valid))[None] if valid else torch.zeros(1, 0)
+    return masked_moments(values=values, mask=torch.ones_like(values))
 
 
 def check_finite_metrics(step: int, metrics: Mapping[str, Any]) -> None:

@@ -4,7 +4,7 @@ Public API (see the package README and docs/interfaces.md):
 
 * math: ``gae`` (pinned), ``policy_loss``, ``value_loss``, ``kl_penalty``,
   ``entropy_from_logits``, ``logprobs_from_logits``, ``masked_mean``, ``masked_sum``,
-  ``masked_whiten``, ``masked_moments`` / ``combine_moments`` / ``whiten_with`` (``Moments``:
+  ``masked_whiten``, ``masked_moments`` / ``whiten_with`` (``Moments``:
   advantage statistics fixed before a streamed step), ``aggregate_loss``, ``check_reward_kl``, ``MAX_LOG_RATIO``;
 * configs: ``ModelSpec``, ``ActorConfig``, ``CriticConfig``;
 * workers: ``ActorWorker``, ``CriticWorker``, ``loss_denominator``, ``EmptyStepError``,
@@ -46,7 +46,6 @@ from ppo_trainer._math import (
     ValueLoss,
     aggregate_loss,
     check_reward_kl,
-    combine_moments,
     entropy_from_logits,
     gae,
     kl_penalty,
@@ -109,7 +108,6 @@ __all__ = [
     "build_causal_lm",
     "build_value_model",
     "check_reward_kl",
-    "combine_moments",
     "entropy_from_logits",
     "gae",
     "get_backend",

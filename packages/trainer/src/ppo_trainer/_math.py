@@ -20,7 +20,6 @@ agree, values and gradients.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,7 +32,6 @@ __all__ = [
     "ValueLoss",
     "aggregate_loss",
     "check_reward_kl",
-    "combine_moments",
     "entropy_from_logits",
     "gae",
     "kl_penalty",
@@ -136,7 +134,7 @@ def masked_whiten(
 class Moments(NamedTuple):
     """Count, mean and Bessel-corrected variance of the valid positions (Python floats,
     computed in float64): the statistics ``masked_whiten`` uses, as data that can be
-    combined over chunks (``combine_moments``) and applied later (``whiten_with``)."""
+    kept and applied later (``whiten_with``)."""
 
     count: float
     mean: float
@@ -155,22 +153,6 @@ def masked_moments(*, values: Tensor, mask: Tensor) -> Moments:
     centered = torch.where(mask.bool(), valid - mean, torch.zeros_like(valid))
     var = float((centered * centered).sum().item()) / max(count - 1.0, 1.0)
     return Moments(count, mean, var)
-
-
-def combine_moments(parts: Sequence[Moments]) -> Moments:
-    """The ``Moments`` of the union of disjoint sets, from each set's (Chan et al.'s
-    pairwise update, in float64): equal to ``masked_moments`` of the concatenation up
-    to float64 rounding, whatever the split."""
-    count, mean, m2 = 0.0, 0.0, 0.0
-    for p in parts:
-        if p.count == 0:
-            continue
-        total = count + p.count
-        delta = p.mean - mean
-        m2 += p.var * max(p.count - 1.0, 0.0) + delta * delta * count * p.count / total
-        mean += delta * p.count / total
-        count = total
-    return Moments(count, mean, m2 / max(count - 1.0, 1.0) if count else 0.0)
 
 
 def whiten_with(*, values: Tensor, mask: Tensor, stats: Moments, eps: float = 1e-8) -> Tensor:
