@@ -20,7 +20,16 @@ def test_default_config_is_valid_and_streams() -> None:
     cfg, report = load_config()
     assert report.ok and not report.warnings
     assert cfg.streaming
-    assert cfg.ppo.ppo_epochs == 1
+    assert cfg.ppo.ppo_epochs == 4  # the project's extension: K epochs while streaming
+    assert cfg.ppo.adv_estimator.normalization == "previous_step"
+
+
+def test_streaming_allows_several_epochs_and_the_kl_loss() -> None:
+    """Epochs 2..K run over the kept chunks (the reference log-probs are kept with the
+    old ones), so neither the epoch count nor a KL loss is refused while streaming."""
+    for overrides in (["ppo.ppo_epochs=1"], ["ppo.ppo_epochs=8", "ppo.kl_loss_coef=0.05"]):
+        cfg, report = load_config(None, overrides)
+        assert report.ok and cfg.streaming, report
 
 
 def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
@@ -44,7 +53,10 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
     ("overrides", "key", "words"),
     [
         pytest.param(
-            ["ppo.ppo_epochs=2"], "ppo.ppo_epochs", "ppo_epochs=1", id="streaming-needs-one-epoch"
+            ["ppo.adv_estimator.normalization=batch"],
+            "ppo.adv_estimator.normalization",
+            "previous_step or chunk",
+            id="unknown-normalization",
         ),
         pytest.param(
             ["async_rl.sampler.name=fifo"],
@@ -149,7 +161,7 @@ def test_full_batch_allows_several_epochs_and_colocated_generation() -> None:
 
 def test_all_problems_reported_at_once(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(
-        ["validate", "ppo.ppo_epochs=2", "ppo.kl_coef=0.1", "cluster.colocate=true", "ppo.bogus=1"]
+        ["validate", "ppo.ppo_epochs=0", "ppo.kl_coef=0.1", "cluster.colocate=true", "ppo.bogus=1"]
     )
     err = capsys.readouterr().err
     assert rc == 1
@@ -176,7 +188,7 @@ def test_minimum_that_can_split_or_full_batch_does_not_warn(minimum: int) -> Non
 
 
 def test_train_refuses_invalid_config_at_start(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "ppo.ppo_epochs=2"]) == 1
+    assert main(["train", "ppo.ppo_epochs=0"]) == 1
     assert "refusing to start" in capsys.readouterr().err
 
 

@@ -48,6 +48,7 @@ class Call:
     wake_first: object = False
     step: int = -1  # the pump's completed_steps when it happened
     ready: int = 0  # rollout polls: groups that became ready
+    args: tuple[tuple[str, object], ...] = ()  # the call's scalar keyword arguments
 
 
 @dataclass
@@ -102,7 +103,10 @@ class _Group:
     ) -> _Done:
         pump = self.world.pump
         assert pump is not None
-        self.world.log.append(Call(self.role, method, wake_first, step=pump.completed_steps))
+        scalars = tuple((k, v) for k, v in sorted(kwargs.items()) if isinstance(v, int | float))
+        self.world.log.append(
+            Call(self.role, method, wake_first, step=pump.completed_steps, args=scalars)
+        )
         inputs = rows.tensors if rows is not None else {}
         value: Any = None
         if method in ("compute_values", "compute_logprobs"):
@@ -110,7 +114,7 @@ class _Group:
         elif method == "train_chunk":
             self.passes += 1
             value = {"actor/valid_tokens": float(inputs["loss_mask"].sum()), "loss/pg": 0.0}
-        elif method == "finish_step":
+        elif method in ("finish_step", "train_epochs"):
             value = {"actor/grad_norm": 0.0}
         elif method == "counters":
             value = {"policy_forward_backward": float(self.passes)}
@@ -327,6 +331,33 @@ def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections(
     # the pump polls again only after an empty selection: a wait of two polls or more
     # met one, with the critic resident throughout (no switch among the polls)
     assert max(waits) >= 2
+
+
+@pytest.mark.parametrize("mode", [STREAMING, FULL_BATCH], ids=["streaming", "full_batch"])
+def test_policy_epochs_then_refit_then_critic(mode: list[str]) -> None:
+    """Three policy epochs. Streaming: every chunk's ``train_chunk`` keeps the chunk on
+    the actor ranks, one ``finish_step`` (epoch 1's update), then ONE ``train_epochs``
+    call for epochs 2 and 3 over the kept chunks with the step's count; no log-prob
+    forward. Full batch: one log-prob forward, then an update per epoch. Both: every
+    policy update before the refit, the refit before critic training."""
+    world, _ = _world(*mode, "ppo.ppo_epochs=3")
+    assert world.pump is not None
+    for step in range(2):
+        report = world.pump.run_step()
+        actor = [(i, c) for i, c in enumerate(world.log) if c.who == "actor" and c.step == step]
+        work = [c.what for _, c in actor if c.what not in ("sleep", "wake_up", "counters")]
+        chunks = len(report.chunk_groups)
+        if mode is STREAMING:
+            assert chunks > 1
+            assert work == ["train_chunk"] * chunks + ["finish_step", "train_epochs"]
+            assert all(dict(c.args)["keep"] is True for _, c in actor if c.what == "train_chunk")
+            (epochs,) = [dict(c.args) for _, c in actor if c.what == "train_epochs"]
+            assert epochs == {"epochs": 2, "loss_denominator": 16.0}  # the step's samples
+        else:
+            assert work == ["compute_logprobs"] + ["train_chunk", "finish_step"] * 3
+        last_update = max(i for i, c in actor if c.what in ("finish_step", "train_epochs"))
+        (refit,) = _index(world.log, "generation", "refit", step=step)
+        assert last_update < refit < world.seen[step].log_index
 
 
 def _step_batch(prompt_indices: list[int]) -> StepBatch:

@@ -84,7 +84,7 @@ class RunConfig:
     name: str = "tiny"
     output_dir: str = "runs"
     seed: int = 0
-    num_steps: int = 250
+    num_steps: int = 100
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     # Greedy evaluation of rollout.eval_dataset_path after every eval_every-th step (and
@@ -117,9 +117,9 @@ class PPOConfig:
     num_prompts_per_step: int = 64
     num_generations_per_prompt: int = 4
     ppo_epochs: int = 4
-    critic_ppo_epochs: int = 1
+    critic_ppo_epochs: int = 2
     critic_warmup_steps: int = 0
-    critic_mini_batch_size: int = 64
+    critic_mini_batch_size: int = 32
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     dual_clip: float | None = None
@@ -181,7 +181,7 @@ class ModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    lr: float = 1e-3
+    lr: float = 5e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
