@@ -1,25 +1,30 @@
-"""Learning speed: the project's ``ppo-driver train`` run against a minimal single-process
-PPO loop (``bench/minimal_ppo.py``), same task, models, initial weights and
-hyper-parameters, same seeds, in one run.
+"""Learning speed: the streaming default (``ppo-driver train``), the full-batch config
+(``configs/full_batch.yaml``: the same settings, minimum = batch) and a minimal
+single-process PPO loop (``bench/minimal_ppo.py``, same task, models, initial weights and
+hyper-parameters, policy epochs included), same seeds, in one run.
 
-For each seed the two are run back to back (the order alternates from seed to seed, so
-that drifting machine load hits both alike) and compared on the 10-step running mean of
-``rollout/reward_mean``:
+For each seed the runs go back to back, in an order that rotates from seed to seed (so
+that drifting machine load hits all alike), and are compared on the 10-step running mean
+of ``rollout/reward_mean``: steps and wall seconds to 0.8 (wall time counts from the call
+that starts the run: the project's includes starting Ray, the workers and the engine),
+the reward at equal steps, and the last-10 mean. Ratios of the time to 0.8: default /
+full-batch and default / minimal loop (lower is better).
 
-* reward at equal steps (at 25 %, 50 % and 100 % of the run);
-* reward at equal wall time (the reward each had reached when the FASTER of the two
-  finished, and at half that time); wall time counts from the call that starts the run
-  (the project's includes starting Ray, the workers and the engine);
-* steps and seconds to reach 0.8, and the ratio project / minimal loop of the time to
-  0.8 (lower is better: the project pays for Ray, the model switches and the refits, and
-  gains from streaming and the batched engine).
+Profiles (``--profile``):
 
-The config is the project's default (``ppo-driver train`` with no arguments) unless
-``--config`` names another YAML (e.g. ``configs/full_batch.yaml``, the one that reaches
-0.8 in a few minutes) or overrides are given. The load average is printed with every
-run: wall times on a loaded machine are inflated.
+* ``task`` (default): the built-in task as ``ppo-driver train`` runs it. On two CPU
+  cores it is training-bound (in full-batch mode the next step's generation is done
+  before the step starts), so streaming saves only the forward it fuses.
+* ``generation-bound``: generation on devices of its own, emulated by
+  ``rollout.decode_delay_s`` (the engine sleeps 0.1 s per decode step, off the trainers'
+  cores, as ``bench_driver``'s ``separate``); 80 steps. Streaming trains the chunks that
+  are done while the rest generates. Default against full batch only (the minimal loop
+  has no separate generation).
 
-    uv run --frozen python bench/bench_learning.py [--seeds 0 1 2] [--config PATH] [overrides ...]
+Any further overrides apply to every project run (and the minimal loop's settings).
+The load average is printed with every run: wall times on a loaded machine are inflated.
+
+    uv run --frozen python bench/bench_learning.py [--profile task] [--seeds 0 1 2 3 4] [overrides ...]
 """
 
 from __future__ import annotations
@@ -107,15 +112,22 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+FULL_BATCH = Path(__file__).parents[1] / "packages/driver/src/ppo_driver/configs/full_batch.yaml"
+PROFILES: dict[str, list[str]] = {
+    "task": [],
+    "generation-bound": ["rollout.decode_delay_s=0.1", "run.num_steps=80"],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--config", default=None, help="a YAML config (default: the defaults)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="task")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument(
         "--runs-dir",
         default=None,
-        help="keep the project's run directories here (<name>-s<seed>: metrics.jsonl, "
+        help="keep the project's run directories here (<run>-s<seed>: metrics.jsonl, "
         "reward.png, ...), e.g. for tools/plot_rewards.py; default: a temporary directory",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. run.num_steps=100")
@@ -123,77 +135,82 @@ def main() -> None:
 
     from ppo_driver.config import load_config
 
+    overrides = [*PROFILES[args.profile], *args.overrides]
+    names = ["default", "full-batch"] + (["minimal"] if args.profile == "task" else [])
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp)
         for k, seed in enumerate(args.seeds):
-            cfg, _ = load_config(
-                args.config, [*args.overrides, f"run.seed={seed}", "run.checkpoint_every=0"]
-            )
-            cfg.run.progress = False
-            order = ("project", "minimal") if k % 2 == 0 else ("minimal", "project")
             row: dict[str, Any] = {"seed": seed}
-            for name in order:
+            for name in names[k % len(names) :] + names[: k % len(names)]:
+                cfg, report = load_config(
+                    FULL_BATCH if name == "full-batch" else None,
+                    [*overrides, f"run.seed={seed}", "run.checkpoint_every=0"],
+                )
+                assert report.ok, report
+                cfg.run.progress = False
                 load = os.getloadavg()[0]
                 run = (
-                    run_project(cfg, runs_dir / f"{cfg.run.name}-s{seed}")
-                    if name == "project"
-                    else run_minimal(cfg)
+                    run_minimal(cfg)
+                    if name == "minimal"
+                    else run_project(cfg, runs_dir / f"{args.profile}-{name}-s{seed}")
                 )
                 row[name] = {
                     **summarize(run),
                     "load_before": load,
                     "load_after": os.getloadavg()[0],
                 }
-                if name == "project":
-                    chunks = run["chunks"]
-                    row[name]["multi_chunk_share"] = sum(c > 1 for c in chunks) / len(chunks)
+                if "chunks" in run:
+                    row[name]["multi_chunk_share"] = sum(c > 1 for c in run["chunks"]) / len(
+                        run["chunks"]
+                    )
+                s = row[name]
                 print(
-                    f"seed {seed} {name:<8} wall {row[name]['wall_s']:6.1f} s  reward "
-                    f"{row[name]['first10']:.3f} -> {row[name]['last10']:.3f}  load "
-                    f"{load:.2f} -> {row[name]['load_after']:.2f}",
+                    f"seed {seed} {name:<10} wall {s['wall_s']:6.1f} s  reward "
+                    f"{s['first10']:.3f} -> {s['last10']:.3f}  0.8 at step "
+                    f"{_fmt(s['steps_to_target'], 'd')} / {_fmt(s['time_to_target'], '.1f')} s  "
+                    f"load {load:.2f} -> {s['load_after']:.2f}",
                     flush=True,
                 )
             results.append(row)
 
-    mode = "streaming" if cfg.streaming else "full-batch"
     print()
     print(
-        f"config: {args.config or 'defaults'} {' '.join(args.overrides)} ({mode}, "
-        f"{cfg.ppo.num_prompts_per_step} x {cfg.ppo.num_generations_per_prompt} per step, "
-        f"{cfg.run.num_steps} steps); reward = {WINDOW}-step running mean"
+        f"profile {args.profile} {' '.join(args.overrides)}: {cfg.run.num_steps} steps of "
+        f"{cfg.ppo.num_prompts_per_step} x {cfg.ppo.num_generations_per_prompt}, "
+        f"{cfg.ppo.ppo_epochs} policy epochs; reward = {WINDOW}-step running mean"
     )
-    head = (
-        f"{'seed':>4} {'run':<8} {'first10':>7} {'@25%':>6} {'@50%':>6} {'@100%':>6} "
-        f"{'wall_s':>7} {'@t/2':>6} {'@t':>6} {'steps->0.8':>10} {'s->0.8':>7}"
+    print(
+        f"{'seed':>4} {'run':<10} {'first10':>7} {'@25%':>6} {'@50%':>6} {'@100%':>6} "
+        f"{'wall_s':>7} {'steps->0.8':>10} {'s->0.8':>7} {'multi-chunk':>11}"
     )
-    print(head)
-    ratios = []
+    ratios: dict[str, list[float]] = {other: [] for other in names[1:]}
     for row in results:
-        p, m = row["project"], row["minimal"]
-        t = min(p["wall_s"], m["wall_s"])  # equal wall time: the faster one's end
-        for name, s in (("project", p), ("minimal", m)):
+        for name in names:
+            s = row[name]
+            share = s.get("multi_chunk_share")
             print(
-                f"{row['seed']:>4} {name:<8} {s['first10']:>7.3f} "
+                f"{row['seed']:>4} {name:<10} {s['first10']:>7.3f} "
                 + " ".join(f"{v:>6.3f}" for v in s["at_steps"].values())
-                + f" {s['wall_s']:>7.1f} {_fmt(at_time(s['times'], s['curve'], t / 2)):>6} "
-                f"{_fmt(at_time(s['times'], s['curve'], t)):>6} "
-                f"{_fmt(s['steps_to_target'], 'd'):>10} {_fmt(s['time_to_target'], '.1f'):>7}"
+                + f" {s['wall_s']:>7.1f} {_fmt(s['steps_to_target'], 'd'):>10} "
+                f"{_fmt(s['time_to_target'], '.1f'):>7} {_fmt(share, '.0%'):>11}"
             )
-        if p["time_to_target"] is not None and m["time_to_target"] is not None:
-            ratios.append(p["time_to_target"] / m["time_to_target"])
-        share = p.get("multi_chunk_share")
-        if share is not None:
-            print(f"     project: steps with more than one chunk {share:.0%}")
+        for other in names[1:]:
+            a, b = row["default"]["time_to_target"], row[other]["time_to_target"]
+            if a is not None and b is not None:
+                ratios[other].append(a / b)
     print()
-    if ratios:
-        print(
-            f"time to {TARGET} project / minimal loop: "
-            + ", ".join(f"{r:.2f}" for r in ratios)
-            + f" (mean {statistics.mean(ratios):.2f}; lower is better)"
-        )
-    else:
-        print(f"time to {TARGET}: not reached by both in any seed (no ratio)")
+    reached = sum(row["default"]["steps_to_target"] is not None for row in results)
+    print(f"default job reached {TARGET}: {reached} of {len(results)} seeds")
+    for other, values in ratios.items():
+        if values:
+            print(
+                f"time to {TARGET} default / {other}: "
+                + ", ".join(f"{r:.2f}" for r in values)
+                + f" (mean {statistics.mean(values):.2f}, max {max(values):.2f}; lower is better)"
+            )
+        else:
+            print(f"time to {TARGET} default / {other}: not reached by both in any seed")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

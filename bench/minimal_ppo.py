@@ -10,7 +10,8 @@ independent check of the project's.
 
 One iteration: generate ``prompts x samples`` responses with the current policy (KV
 cache, one batch), score them, old values from the critic, old log-probs from the
-policy, GAE -> advantages (whitened over the batch) and returns, ``ppo_epochs`` policy
+policy, GAE -> advantages (whitened with the previous iteration's statistics, or over the
+batch with ``normalization="chunk"``) and returns, ``ppo_epochs`` policy
 updates on the whole batch, then ``critic_epochs`` passes of critic updates in
 mini-batches of ``critic_mini_batch_size``.
 
@@ -38,7 +39,7 @@ class Args:
     """Defaults: those of ``ppo-driver train`` (``Args.from_driver_config`` copies a config)."""
 
     seed: int = 0
-    steps: int = 250
+    steps: int = 100
     prompts: int = 64  # prompt groups per step
     samples: int = 4  # samples per prompt
     max_new_tokens: int = 12
@@ -49,19 +50,20 @@ class Args:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    lr: float = 1e-3
+    lr: float = 5e-4
     critic_lr: float = 3e-3
     warmup_steps: int = 0
     critic_warmup_steps: int = 0  # lr warm-up of the critic's optimizer (steps = updates)
     max_grad_norm: float = 1.0
-    ppo_epochs: int = 1
-    critic_epochs: int = 1
-    critic_mini_batch_size: int = 64
+    ppo_epochs: int = 4
+    critic_epochs: int = 2
+    critic_mini_batch_size: int = 32
     eps_clip: float = 0.2
     value_clip: float | None = 0.2
     entropy_coef: float = 0.0
     loss_agg: str = "sample"  # "sample" or "token"
     normalize_advantages: bool = True
+    normalization: str = "previous_step"  # or "chunk" (one batch: the batch's statistics)
     gamma: float = 1.0
     lam: float = 0.95
     threads: int = 1  # torch intra-op threads (the project's workers run with 1)
@@ -97,6 +99,7 @@ class Args:
             entropy_coef=p.entropy_coef,
             loss_agg=p.loss_agg,
             normalize_advantages=p.adv_estimator.normalize_advantages,
+            normalization=p.adv_estimator.normalization,
             gamma=p.adv_estimator.gamma,
             lam=p.adv_estimator.lam,
             **extra,
@@ -143,6 +146,7 @@ def run(args: Args, on_step: Any = None) -> list[dict[str, float]]:
     B = args.prompts * args.samples
     history: list[dict[str, float]] = []
     start = time.perf_counter()
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the last raw advantages' mean, var
 
     for step in range(args.steps):
         # ---- rollout: prompt i of the run is record i (as the driver's group ids)
@@ -216,10 +220,13 @@ def run(args: Args, on_step: Any = None) -> list[dict[str, float]]:
                 next_value = torch.where(m.bool(), old_values[:, t], next_value)
                 last_adv = torch.where(m.bool(), adv, last_adv)
             returns = (advantages + old_values) * mask
-            if args.normalize_advantages:
-                mean = masked_mean(advantages, mask)
-                var = (((advantages - mean) * mask) ** 2).sum() / (mask.sum() - 1).clamp(min=1)
-                advantages = (advantages - mean) * torch.rsqrt(var + 1e-8) * mask
+            mean = masked_mean(advantages.double(), mask)
+            var = (((advantages.double() - mean) * mask) ** 2).sum() / (mask.sum() - 1).clamp(min=1)
+            if args.normalize_advantages and args.normalization == "chunk":
+                advantages = ((advantages - mean) * torch.rsqrt(var + 1e-8) * mask).float()
+            elif args.normalize_advantages and stats is not None:  # the previous iteration's
+                advantages = ((advantages - stats[0]) * torch.rsqrt(stats[1] + 1e-8) * mask).float()
+            stats = (mean, var)
 
         # ---- policy: ppo_epochs updates on the whole batch
         for _ in range(args.ppo_epochs):
