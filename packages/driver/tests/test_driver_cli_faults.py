@@ -141,16 +141,23 @@ def _small_filesystem(path: Path, size: str) -> Iterator[Path]:
             if subprocess.run(["umount", str(path)], check=False).returncode == 0:
                 break
             time.sleep(0.5)
+        else:  # a process of the run still holds it: detach it now, freed when released
+            subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _fill(fs: Path, *, leave: int) -> Path:
     """Fill ``fs`` up to ``leave`` free bytes with one file; returns it."""
     filler = fs / "filler"
-    st = os.statvfs(fs)
-    free = st.f_bavail * st.f_frsize
-    with filler.open("wb") as out:
-        out.write(b"\0" * max(0, free - leave))
-    return filler
+    chunk = b"\0" * (16 * 1024)
+    with filler.open("wb", buffering=0) as out:
+        while True:  # the run writes meanwhile: look at what is free before each chunk
+            st = os.statvfs(fs)
+            if st.f_bavail * st.f_frsize <= leave + len(chunk):
+                return filler
+            try:
+                out.write(chunk)
+            except OSError:  # the run took the rest meanwhile
+                return filler
 
 
 def test_a_full_disk_while_writing_a_checkpoint_stops_the_run(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ from ppo_driver.rollout import (
 )
 from ppo_driver.startup import FAIL_ENV, FAIL_POINTS, StartupError, parse_fail_at
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import TrainGroup
+from ppo_driver.workers import LogFile, TrainGroup
 from ppo_driver.workload import load_workload
 
 __all__ = [
@@ -372,7 +372,7 @@ def _not_file_only(record: logging.LogRecord) -> bool:
 def _setup_logging(run_dir: Path, level: str = "INFO") -> logging.Handler:
     root = logging.getLogger("ppo_driver")
     root.setLevel(level)
-    handler = logging.FileHandler(run_dir / "train.log")
+    handler = LogFile(str(run_dir / "train.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.addHandler(handler)
     if not any(getattr(h, "_ppo_console", False) for h in root.handlers):
@@ -884,7 +884,11 @@ def describe_fault(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.RayTaskError):
         cause = exc.cause if isinstance(exc.cause, BaseException) else None
         inner = describe_fault(cause) if cause is not None else _first_line(exc)
-        return f"{inner} (in {exc.proctitle or exc.function_name}, pid {exc.pid} on {exc.ip})"
+        # the error as raised by ray.get is also the cause's class: not every attribute
+        # of RayTaskError is set on it
+        title = getattr(exc, "proctitle", None) or getattr(exc, "function_name", "a Ray task")
+        where = f"pid {getattr(exc, 'pid', '?')} on {getattr(exc, 'ip', '?')}"
+        return f"{inner} (in {title}, {where})"
     if isinstance(exc, OSError) and exc.strerror:
         names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
         where = f": {' -> '.join(names)}" if names else ""

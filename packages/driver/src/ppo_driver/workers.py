@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -134,13 +135,25 @@ PROJECT_LOGGERS = ("ppo_driver", "ppo_trainer", "ppo_lifecycle", "ppo_placement"
 """The loggers whose lines a run's ``train.log`` collects, from the worker processes too."""
 
 
+class LogFile(logging.FileHandler):
+    """``train.log``: a line that cannot be written (a full disk) is dropped with one
+    line on stderr, not logging's traceback of the write."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        print(
+            f"ppo-driver: a log line could not be written to {self.baseFilename}: "
+            f"{sys.exc_info()[1]}",
+            file=sys.stderr,
+        )
+
+
 def log_to_file(path: str, level: str) -> None:
     """In a worker process: the project's loggers append to ``path`` (the run's
     ``train.log``; one write per line, so the processes' lines do not mix) at ``level``,
     tagged with the process id. The run directory must be reachable from the worker's
     node (one machine, or a shared filesystem); elsewhere the lines stay in Ray's logs."""
     try:
-        handler = logging.FileHandler(path)
+        handler = LogFile(path)
     except OSError as exc:
         logging.getLogger("ppo_driver").warning("worker logs stay in Ray's logs: %s", exc)
         return
