@@ -262,3 +262,22 @@ def test_resume_compares_what_input_paths_point_at(
     (tmp_path / "b" / "model" / "config.json").write_text('{"model_type": "qwen2"}')
     (tmp_path / "b" / "model" / "w.safetensors").write_bytes(bytes(16384))
     assert "policy.model_path" in " ".join(changes(cfg))
+
+
+def test_a_failed_write_leaves_no_partial_checkpoint(tmp_path: Path) -> None:
+    """A real failure (here: the disk is full while a worker writes its files) removes
+    the side directory and frees its space; the previous checkpoint stays the latest.
+    Only a simulated crash (the crash hook) leaves it, as a killed process would."""
+    import errno
+
+    tensors = {"x": torch.arange(4.0)}
+    first = save_checkpoint(tmp_path, 1, state={}, tensors=tensors, write_models=_models)
+
+    def full_disk(tmp: Path) -> None:
+        _models(tmp)
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "actor"))
+
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(tmp_path, 2, state={}, tensors=tensors, write_models=full_disk)
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("latest.tmp*"))
+    assert find_latest(tmp_path) == first

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import signal
@@ -19,6 +20,7 @@ from ppo_driver.rollout import (
     CharTokenizer,
     EngineHealth,
     EngineRestarted,
+    Evaluator,
     GroupOutput,
     GroupRequest,
     PromptDataset,
@@ -51,7 +53,12 @@ SPEC = ModelSpec(
     seed=0,
 )
 PARAMS = SamplingParams(n=4, max_new_tokens=14, stop_token_ids=(TOK.eos_id,))
-DATA = PromptDataset(synthetic_records(num_prompts=64, seed=1, max_count=12), TOK)
+DATA = PromptDataset(
+    [{**r, "id": i} for i, r in enumerate(synthetic_records(num_prompts=64, seed=1, max_count=12))],
+    TOK,
+)
+"""Each record names its prompt ("id"): a reward gets its own copy of the record, so the
+rewards below tell prompts apart by that, not by identity."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -239,9 +246,9 @@ def test_lookahead_and_in_flight_bounds(engines: list[Any]) -> None:
 
 
 def _flaky_reward(*, response: str, record: Any, finish_reason: str) -> float:
-    if record is DATA.record(2):
+    if record["id"] == 2:
         raise ZeroDivisionError("the grader crashed")
-    if record is DATA.record(5):
+    if record["id"] == 5:
         return float("nan")
     return repeat_reward(response=response, record=record, finish_reason=finish_reason)
 
@@ -263,6 +270,36 @@ def test_bad_rewards_fail_their_group_and_the_step_is_refilled(engines: list[Any
     )
     assert sorted(m.buffer.ready_ids()) == [6, 7, 8, 9] and sampler.num_ready == 4
     assert 2 not in m.buffer and 5 not in m.buffer
+
+
+def test_a_reward_that_edits_its_record_changes_neither_the_data_nor_other_calls(
+    engines: list[Any],
+) -> None:
+    """Training's groups and evaluation each pass the reward a record of its own: the
+    edits of one call reach no other call and not the data set."""
+    records = [{**r, "tags": ["stored"]} for r in synthetic_records(num_prompts=8, seed=3)]
+    stored = copy.deepcopy(records)
+    data = PromptDataset(records, TOK)
+    seen: list[dict[str, Any]] = []
+
+    def editing_reward(*, response: str, record: dict[str, Any], finish_reason: str) -> float:
+        seen.append(copy.deepcopy(record))
+        record["tags"].append("edited")
+        record["count"] = 99
+        return repeat_reward(response=response, record=record, finish_reason=finish_reason)
+
+    m = _manager(engines, InOrderSampler(max_lookahead_versions=0), dataset=data,
+                 reward_fn=editing_reward)  # fmt: skip
+    _run_until(m, lambda: len(m.buffer) == 4 and m.idle(), trainer_step=0)
+    assert len(seen) == 4 * PARAMS.n and not m.failures
+    assert all(r in stored for r in seen), "a call saw an earlier call's edit"
+    evaluated = Evaluator(
+        engines=engines, dataset=data, reward_fn=editing_reward, max_new_tokens=6,
+        stop_token_ids=(TOK.eos_id,),
+    ).run()  # fmt: skip
+    assert evaluated.failures == 0 and len(seen) == 4 * PARAMS.n + len(records)
+    assert all(r in stored for r in seen), "a call saw an earlier call's edit"
+    assert records == stored  # the data set is as loaded
 
 
 def test_checkpoint_with_groups_in_flight_loses_and_duplicates_nothing(
@@ -401,9 +438,9 @@ _HANG = threading.Event()
 
 
 def _stubborn_reward(*, response: str, record: Any, finish_reason: str) -> Any:
-    if record is DATA.record(1):
+    if record["id"] == 1:
         return True  # a bool is not a reward
-    if record is DATA.record(2):
+    if record["id"] == 2:
         _HANG.wait()  # hangs (until the test ends)
     return repeat_reward(response=response, record=record, finish_reason=finish_reason)
 
@@ -430,7 +467,7 @@ def _offline_grader(**_: Any) -> float:
 
 
 def _fails_for_some(*, response: str, record: Any, finish_reason: str) -> float:
-    if any(record is DATA.record(i) for i in (0, 1, 3, 4)):
+    if record["id"] in (0, 1, 3, 4):
         raise ValueError("no answer")
     return repeat_reward(response=response, record=record, finish_reason=finish_reason)
 

@@ -5,11 +5,14 @@ The rollout manager's side (failure streaks, restarted engines) is in test_engin
 from __future__ import annotations
 
 import asyncio
+import copy
+import fractions
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from ppo_driver.rollout import (
@@ -46,6 +49,10 @@ def _constant(value: Any) -> Any:
         pytest.param(False, id="bool-false"),
         pytest.param(None, id="none"),
         pytest.param(torch.tensor(0.5), id="tensor"),
+        pytest.param(np.array(0.5), id="numpy-0d-array"),
+        pytest.param(np.bool_(True), id="numpy-bool"),
+        pytest.param(np.complex64(1), id="numpy-complex"),
+        pytest.param(np.float32("nan"), id="numpy-nan"),
         pytest.param([0.5], id="list"),
         pytest.param(float("nan"), id="nan"),
         pytest.param(float("-inf"), id="inf"),
@@ -71,11 +78,58 @@ def test_a_reward_that_is_not_a_real_number_fails_the_group(
         pytest.param(0.75, 0.75, id="float"),
         pytest.param(-3, -3.0, id="negative"),
         pytest.param(1e30, 1e30, id="huge-but-finite"),
+        # what numpy code returns: numpy.float64 subclasses float, float32 does not
+        pytest.param(np.float32(0.25), 0.25, id="numpy-float32"),
+        pytest.param(np.float16(-1.5), -1.5, id="numpy-float16"),
+        pytest.param(np.int64(7), 7.0, id="numpy-int64"),
+        pytest.param(np.float32(0.1), float(np.float32(0.1)), id="float32-exact"),
+        pytest.param(fractions.Fraction(3, 4), 0.75, id="fraction"),
     ],
 )
-def test_real_numbers_are_rewards(value: Any, want: float) -> None:
-    scored = score_group(_output(), record={}, reward_fn=_constant(value), tokenizer=TOK)
+@pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["no-limit", "limit"])
+def test_real_numbers_are_rewards(value: Any, want: float, timeout_s: float | None) -> None:
+    scored = score_group(
+        _output(), record={}, reward_fn=_constant(value), tokenizer=TOK, timeout_s=timeout_s
+    )
     assert scored.rewards == (want,) * 3 and all(type(r) is float for r in scored.rewards)
+
+
+def test_an_async_reward_may_return_a_numpy_scalar() -> None:
+    async def reward(**_: Any) -> Any:
+        return np.float32(0.5)
+
+    scored = score_group(_output(2), record={}, reward_fn=reward, tokenizer=TOK, timeout_s=5)
+    assert scored.rewards == (0.5, 0.5)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0], ids=["no-limit", "limit"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_reward_that_edits_its_record_changes_nothing_outside_the_call(
+    timeout_s: float | None, kind: str
+) -> None:
+    record = {"prompt": "a3:", "meta": {"tags": ["x"], "seen": 0}}
+    original = copy.deepcopy(record)
+    seen: list[dict[str, Any]] = []
+
+    def edit(record: dict[str, Any]) -> float:
+        seen.append(copy.deepcopy(record))
+        record["meta"]["tags"].append("edited")  # nested: a shallow copy would leak it
+        record["meta"]["seen"] += 1
+        record["prompt"] = "changed"
+        record.pop("meta")
+        return 1.0
+
+    def sync_reward(*, record: dict[str, Any], **_: Any) -> float:
+        return edit(record)
+
+    async def async_reward(*, record: dict[str, Any], **_: Any) -> float:
+        return edit(record)
+
+    fn = sync_reward if kind == "sync" else async_reward
+    for _ in range(2):  # two groups of 4 on the same stored record
+        score_group(_output(4), record=record, reward_fn=fn, tokenizer=TOK, timeout_s=timeout_s)
+    assert record == original  # the data set's record is untouched
+    assert seen == [original] * 8  # every call saw the record as stored
 
 
 def test_the_first_bad_value_refuses_the_rest() -> None:

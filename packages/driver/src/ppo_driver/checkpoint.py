@@ -123,33 +123,50 @@ def save_checkpoint(
 
     ``write_models(tmp_dir)`` writes the workers' files (``actor/``, ``critic/``) into
     the side directory. ``crash_hook(point)`` is called at ``"after_models"`` and
-    ``"before_rename"`` (tests inject crashes there).
+    ``"before_rename"`` (tests inject crashes there: what it raises is left as a killed
+    process would leave it). Any other failure (a full disk, a worker that raised)
+    removes the side directory before it propagates: nothing half-written stays, and
+    the space it took is free again; the previous checkpoint stays the latest.
     """
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / _name(step)
     tmp = root / (_name(step) + _PARTIAL)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_models(tmp)
-    if crash_hook is not None:
-        crash_hook("after_models")
-    (tmp / "driver.json").write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-        str(tmp / "tensors.safetensors"),
-    )
-    _write_manifest(tmp)  # last: a manifest vouches for every file written before it
-    _fsync_tree(tmp)
-    if crash_hook is not None:
-        crash_hook("before_rename")
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
     latest_tmp = root / f"latest.tmp{os.getpid()}"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
+    crashing = False
+
+    def hook(point: str) -> None:
+        nonlocal crashing
+        if crash_hook is not None:
+            crashing = True
+            crash_hook(point)
+            crashing = False
+
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        write_models(tmp)
+        hook("after_models")
+        state_json = json.dumps({"step": step, **state}, indent=1, sort_keys=True)
+        (tmp / "driver.json").write_text(state_json)
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            str(tmp / "tensors.safetensors"),
+        )
+        _write_manifest(tmp)  # last: a manifest vouches for every file written before it
+        _fsync_tree(tmp)
+        hook("before_rename")
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+    except BaseException:
+        if not crashing:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest_tmp.unlink(missing_ok=True)
+        raise
     _prune(root, keep=keep)
     return final
 

@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from ppo_driver.pump import InjectedFailure, NonFiniteError
     from ppo_driver.rollout import RewardFailure
-    from ppo_driver.run import RunStopped, StartupError, last_checkpoint_note, train
+    from ppo_driver.run import RunFailed, RunStopped, StartupError, last_checkpoint_note, train
 
     run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
     if args.no_progress:
@@ -157,6 +157,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # not in the run. Ray and the workers are already shut down by train().
         _say(f"stopped: {exc}")
         _say(last_checkpoint_note(run_dir))
+        return 1
+    except RunFailed as exc:
+        # A fault during the run (a dead worker, a lost cluster, an I/O error): train()
+        # has torn down what it could; the traceback is in train.log.
+        _say(f"stopped at step {exc.step}: {exc.what}")
+        _say(f"the workers and engines are shut down; the traceback is in {run_dir / 'train.log'}")
+        _say(last_checkpoint_note(run_dir))
+        _say(f"to continue: {_resume_command(args, run_dir)}")
+        if exc.cluster_lost:  # Ray's client cannot disconnect from a cluster that is gone
+            sys.stdout.flush()
+            os._exit(1)
         return 1
     except InjectedFailure as exc:
         # A crash drill: train() has already run its clean-up (workers, Ray, trace); what

@@ -94,6 +94,9 @@ class RunConfig:
     # TensorBoard event files under <run dir>/tensorboard/ (every numeric metric), besides
     # metrics.jsonl and the console line; needs the extra ppo-driver[tensorboard].
     tensorboard: bool = False
+    # Level of the project's loggers (ppo_driver, ppo_trainer, ppo_lifecycle, ...) in
+    # train.log, the trainer worker processes' lines included: DEBUG, INFO, WARNING, ERROR.
+    log_level: str = "INFO"
 
 
 ADV_NORMALIZATIONS = ("previous_step", "chunk")
@@ -913,6 +916,9 @@ def _check_driver_ranges(r: ValidationReport, cfg: DriverConfig) -> None:
     ):
         _check_positive(r, key, amount, allow_zero=True)
     _check_positive(r, "async_rl.poll_interval_s", arl.poll_interval_s)
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    _need(r, "run.log_level", cfg.run.log_level, cfg.run.log_level in levels,
+          f"one of {', '.join(levels)}", "INFO")  # fmt: skip
     if cfg.cluster.num_cpus is not None:
         _check_positive(r, "cluster.num_cpus", cfg.cluster.num_cpus)
     for key, val in (

@@ -9,6 +9,7 @@ plot and the Chrome-trace timeline.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -73,20 +74,24 @@ from ppo_driver.metrics import (
     plot_rewards,
     read_metrics,
 )
-from ppo_driver.pump import InjectedFailure, StepReport, TrainPump
+from ppo_driver.pump import InjectedFailure, NonFiniteError, StepReport, TrainPump
 from ppo_driver.rollout import (
+    ClusterLost,
     EngineRestarted,
     Evaluator,
     RefitStats,
+    RewardFailure,
     RolloutManager,
     SamplingParams,
     WeightRefitter,
+    cluster_reachable,
+    gcs_address,
     launch_embedded_engines,
     launch_sglang_engines,
 )
 from ppo_driver.startup import FAIL_ENV, FAIL_POINTS, StartupError, parse_fail_at
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import TrainGroup
+from ppo_driver.workers import LogFile, TrainGroup
 from ppo_driver.workload import load_workload
 
 __all__ = [
@@ -95,10 +100,12 @@ __all__ = [
     "LOCK_FILE",
     "RESUME_FIXED_KEYS",
     "RESUME_INPUT_KEYS",
+    "RunFailed",
     "RunLock",
     "RunResult",
     "RunStopped",
     "StartupError",
+    "describe_fault",
     "last_checkpoint_note",
     "parse_fail_at",
     "resume_config_changes",
@@ -177,6 +184,22 @@ class RunStopped(BaseException):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+class RunFailed(RuntimeError):
+    """``train`` stopped on a fault during the run (a worker or engine process that
+    died, a lost Ray cluster, an I/O error writing a checkpoint or the export, a
+    worker's exception), after the same teardown as any other end: workers, engines and
+    Ray shut down, nothing half-written left. The cause is ``__cause__``, its traceback
+    is in ``train.log``. ``step``: steps completed when it happened; ``what``: the fault
+    in one line (:func:`describe_fault`), with what the run was doing."""
+
+    def __init__(self, *, step: int, what: str, run_dir: Path) -> None:
+        self.step, self.what, self.run_dir = step, what, run_dir
+        ckpt_dir = run_dir / "checkpoints"
+        self.checkpoint = find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+        self.cluster_lost = False  # the Ray cluster is gone (Ray calls would block)
+        super().__init__(f"stopped at step {step}: {what}")
 
 
 @dataclass
@@ -337,15 +360,25 @@ def _where(placement: SharedPlacement) -> str:
 # ------------------------------------------------------------------- logging / progress
 
 
-def _setup_logging(run_dir: Path) -> logging.Handler:
+_FILE_ONLY = {"ppo_file_only": True}
+"""``extra=`` of a log record for ``train.log`` only (a fault's traceback): the terminal
+gets the one-line ``ppo-driver:`` message instead."""
+
+
+def _not_file_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, "ppo_file_only", False)
+
+
+def _setup_logging(run_dir: Path, level: str = "INFO") -> logging.Handler:
     root = logging.getLogger("ppo_driver")
-    root.setLevel(logging.INFO)
-    handler = logging.FileHandler(run_dir / "train.log")
+    root.setLevel(level)
+    handler = LogFile(str(run_dir / "train.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.addHandler(handler)
     if not any(getattr(h, "_ppo_console", False) for h in root.handlers):
         console = logging.StreamHandler(sys.stderr)
         console.setFormatter(logging.Formatter("%(message)s"))
+        console.addFilter(_not_file_only)
         console._ppo_console = True  # type: ignore[attr-defined]
         root.addHandler(console)
     return handler
@@ -604,7 +637,13 @@ def _check_resume_config(
 def last_checkpoint_note(run_dir: str | Path) -> str:
     """Where a stopped run can be continued from, for the user."""
     run_dir = Path(run_dir)
-    latest = find_latest(run_dir / "checkpoints")
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        return (
+            f"{ckpt_dir} is not a directory: no checkpoint can be found there (put the "
+            "checkpoints directory back before --resume)"
+        )
+    latest = find_latest(ckpt_dir)
     if latest is None:
         return f"no checkpoint was written in {run_dir}: --resume would start from step 0"
     return f"last complete checkpoint: {latest} ({checkpoint_step(latest)} step(s) done)"
@@ -718,7 +757,7 @@ def train(
         inputs = resume_inputs(cfg)
         if latest is not None:
             _check_resume_config(cfg, latest, run_dir, inputs)
-        handler = _setup_logging(run_dir)
+        handler = _setup_logging(run_dir, cfg.run.log_level)
         try:
             done = checkpoint_step(latest) if latest is not None else None
             if done is not None and done >= cfg.run.num_steps:
@@ -774,6 +813,7 @@ class _Built:
     evaluator: Evaluator | None = None  # rollout.eval_dataset_path, every run.eval_every steps
     policy_spec: ModelSpec | None = None  # what the HF export at the end describes
     inputs: dict[str, Any] = field(default_factory=dict)  # resume_inputs, saved each time
+    doing: str = "starting the models"  # what the run is doing, for a fault's message
 
 
 def _run(
@@ -794,9 +834,13 @@ def _run(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     torch.manual_seed(cfg.run.seed)
     cleanup = ExitStack()  # teardown, last built first; each step runs even if one fails
+    cluster_lost = threading.Event()  # then only the steps that need no Ray run
 
     def on_exit(what: str, fn: Callable[[], object]) -> None:
         def run() -> None:
+            if cluster_lost.is_set() and what not in _TEARDOWN_WITHOUT_RAY:
+                log.info("teardown: %s skipped: the Ray cluster is gone", what)
+                return
             try:
                 fn()
             except Exception as exc:  # teardown goes on: leave nothing behind
@@ -804,18 +848,81 @@ def _run(
 
         cleanup.callback(run)
 
+    built: _Built | None = None
     with cleanup:
-        built = _build(cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit)
-        built.inputs = inputs
-        guard.install()  # ray.init replaced the SIGTERM handler with its own
-        resumed_from = _start(built, latest=latest, t_run=t_run)
-        result = _loop(
-            cfg, built, run_dir=run_dir, resumed_from=resumed_from, fail_at=fail_at,
-            on_step=on_step, guard=guard, on_exit=on_exit,
-        )  # fmt: skip
+        try:
+            built = _build(
+                cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit
+            )
+            built.inputs = inputs
+            guard.install()  # ray.init replaced the SIGTERM handler with its own
+            resumed_from = _start(built, latest=latest, t_run=t_run)
+            result = _loop(
+                cfg, built, run_dir=run_dir, resumed_from=resumed_from, fail_at=fail_at,
+                on_step=on_step, guard=guard, on_exit=on_exit,
+            )  # fmt: skip
+        except _REPORTED_ELSEWHERE:
+            raise
+        except Exception as exc:
+            raise _fault(exc, built, run_dir=run_dir, cluster_lost=cluster_lost) from exc
     result.wall_s = time.perf_counter() - t_run
     _summary(result, cfg)
     return result
+
+
+_TEARDOWN_WITHOUT_RAY = frozenset({"trace and reward plot", "metrics file"})
+"""Teardown steps that still run when the Ray cluster is gone (the rest would block on
+the lost GCS until Ray ends the process)."""
+
+_REPORTED_ELSEWHERE = (StartupError, InjectedFailure, NonFiniteError, RewardFailure)
+"""Exceptions ``train`` raises as they are (each has its own message in the CLI)."""
+
+
+def describe_fault(exc: BaseException) -> str:
+    """``exc`` in one line for the user: what failed, naming the file or the process
+    (an exception raised in a Ray worker: the worker's exception and where it ran)."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if isinstance(exc.cause, BaseException) else None
+        inner = describe_fault(cause) if cause is not None else _first_line(exc)
+        # the error as raised by ray.get is also the cause's class: not every attribute
+        # of RayTaskError is set on it
+        title = getattr(exc, "proctitle", None) or getattr(exc, "function_name", "a Ray task")
+        where = f"pid {getattr(exc, 'pid', '?')} on {getattr(exc, 'ip', '?')}"
+        return f"{inner} (in {title}, {where})"
+    if isinstance(exc, OSError) and exc.strerror:
+        names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+        where = f": {' -> '.join(names)}" if names else ""
+        return f"{exc.strerror} ({type(exc).__name__}{where})"
+    if isinstance(exc, ray.exceptions.RayActorError) and not str(exc).strip():
+        return f"a Ray actor died ({type(exc).__name__})"
+    return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _fault(
+    exc: Exception, built: _Built | None, *, run_dir: Path, cluster_lost: threading.Event
+) -> RunFailed:
+    """A fault during the run as :class:`RunFailed`; its traceback goes to ``train.log``
+    (not the terminal). A Ray error while the cluster's GCS does not answer is a lost
+    cluster: the teardown then skips what would wait for it."""
+    lost = isinstance(exc, ClusterLost) or (
+        isinstance(exc, ray.exceptions.RayError) and not cluster_reachable()
+    )
+    what = describe_fault(exc)
+    if lost:
+        cluster_lost.set()
+        if not isinstance(exc, ClusterLost):
+            what = f"the Ray cluster's head ({gcs_address()}) does not answer: {what}"
+    doing = built.doing if built is not None else "starting up"
+    step = built.pump.completed_steps if built is not None else 0
+    failed = RunFailed(step=step, what=f"{what}; while {doing}", run_dir=run_dir)
+    failed.cluster_lost = lost
+    log.error("%s; the traceback:", failed, exc_info=exc, extra=_FILE_ONLY)
+    return failed
 
 
 def _build(
@@ -841,9 +948,14 @@ def _build(
     except TimeoutError as exc:  # resources taken by others on a joined cluster
         raise StartupError(f"cluster: {exc}") from None
     on_exit("placement teardown", placement.teardown)
-    actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()))
+    log_file = (str((run_dir / "train.log").resolve()), cfg.run.log_level)
+    actor = TrainGroup(
+        "actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()), log_file=log_file
+    )
     on_exit("actor workers", actor.kill)
-    critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()))
+    critic = TrainGroup(
+        "critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()), log_file=log_file
+    )
     on_exit("critic workers", critic.kill)
     log.info("start-up: placement: %s", _where(placement))
     engines = _launch_engines(cfg, actor_cfg.model, list(placement.rollout_view()), on_exit=on_exit)
@@ -944,6 +1056,14 @@ def _start(built: _Built, *, latest: Path | None, t_run: float) -> int | None:
         if latest is not None:
             critic.call("load_checkpoint", path=str(latest / "critic"))
     ray.get([e.health.remote() for e in built.engines])
+    log.info(
+        "start-up: worker processes: %s",
+        "; ".join(
+            f"{g.role} rank {r} pid {pid} on {ip}"
+            for g in (actor, critic)
+            for r, (pid, ip) in enumerate(g.processes)
+        ),
+    )
     log.info(
         "start-up: critic built%s; %d engine(s) ready after %.1f s",
         " and loaded" if latest else "",
@@ -1080,6 +1200,7 @@ def _loop(
         run_dir,
     )
     while pump.completed_steps < cfg.run.num_steps:
+        built.doing = f"training step {pump.completed_steps}"
         report = pump.run_step()
         result.reports.append(report)
         metrics = report.metrics
@@ -1099,12 +1220,14 @@ def _loop(
         if (
             every and pump.completed_steps % every == 0
         ) or pump.completed_steps == cfg.run.num_steps:
+            built.doing = f"writing checkpoint {pump.completed_steps} in {run_dir / 'checkpoints'}"
             with guard.deferred():  # a stop signal waits for the checkpoint to complete
                 _checkpoint(
                     cfg, built, run_dir / "checkpoints", step_done=pump.completed_steps,
                     fail_at=fail_at,
                 )  # fmt: skip
     if result.reports:  # the trained policy as a Hugging Face directory
+        built.doing = f"exporting the policy to {run_dir / 'hf'}"
         with guard.deferred():
             _export_policy(cfg, built, run_dir / "hf")
     return result
@@ -1116,19 +1239,37 @@ def _export_policy(cfg: DriverConfig, built: _Built, out: Path) -> None:
     the policy came from ``policy.model_path`` (the built-in task's character tokenizer
     is not a Hugging Face one). Written aside, then renamed over the previous export."""
     assert built.policy_spec is not None
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        # not ours to delete: the export would have replaced it
+        raise NotADirectoryError(
+            errno.ENOTDIR, "the policy export's path is taken by a file (move it away)", str(out)
+        )
     weights = built.pump.export_policy()
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(weights=weights, spec=built.policy_spec, path=tmp, role="policy")
-    source = cfg.policy.model_path
-    if source is not None:
-        AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(str(tmp))
-        generation = Path(source) / "generation_config.json"
-        if generation.is_file():
-            shutil.copy2(generation, tmp / generation.name)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    _remove(tmp)
+    try:
+        save_hf_checkpoint(weights=weights, spec=built.policy_spec, path=tmp, role="policy")
+        source = cfg.policy.model_path
+        if source is not None:
+            AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(str(tmp))
+            generation = Path(source) / "generation_config.json"
+            if generation.is_file():
+                shutil.copy2(generation, tmp / generation.name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        _remove(tmp)  # nothing half-written stays
+        raise
     log.info("policy exported to %s (Hugging Face format)", out)
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` (a directory tree or a file) if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _summary(result: RunResult, cfg: DriverConfig) -> None:

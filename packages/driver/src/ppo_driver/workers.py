@@ -14,7 +14,10 @@ the pump's plan, passed into each call as ``wake_first`` / ``sleep_after``.
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,10 +31,12 @@ from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, Me
 from torch import Tensor
 
 __all__ = [
+    "PROJECT_LOGGERS",
     "GroupResult",
     "Pending",
     "Rows",
     "TrainGroup",
+    "WorkerLost",
     "data_parallel_layout",
     "free_port",
     "mini_batch_order",
@@ -126,6 +131,55 @@ class GroupResult:
         return {k: float(v) for k, v in self.values[0].items()}
 
 
+PROJECT_LOGGERS = ("ppo_driver", "ppo_trainer", "ppo_lifecycle", "ppo_placement", "ppo_sampler")
+"""The loggers whose lines a run's ``train.log`` collects, from the worker processes too."""
+
+
+class LogFile(logging.FileHandler):
+    """``train.log``: a line that cannot be written (a full disk) is dropped with one
+    line on stderr, not logging's traceback of the write."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        print(
+            f"ppo-driver: a log line could not be written to {self.baseFilename}: "
+            f"{sys.exc_info()[1]}",
+            file=sys.stderr,
+        )
+
+
+def log_to_file(path: str, level: str) -> None:
+    """In a worker process: the project's loggers append to ``path`` (the run's
+    ``train.log``; one write per line, so the processes' lines do not mix) at ``level``,
+    tagged with the process id. The run directory must be reachable from the worker's
+    node (one machine, or a shared filesystem); elsewhere the lines stay in Ray's logs."""
+    try:
+        handler = LogFile(path)
+    except OSError as exc:
+        logging.getLogger("ppo_driver").warning("worker logs stay in Ray's logs: %s", exc)
+        return
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(name)s %(levelname)s [pid {os.getpid()}] %(message)s")
+    )
+    for name in PROJECT_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.addHandler(handler)
+
+
+class WorkerLost(RuntimeError):
+    """A trainer worker's process died (killed, out of memory, its node lost): Ray does
+    not restart trainer workers, so the run cannot go on. Names the role, the rank, the
+    process id and the node."""
+
+    def __init__(self, role: str, rank: int, pid: int | None, node_ip: str | None, why: str):
+        self.role, self.rank, self.pid, self.node_ip = role, rank, pid, node_ip
+        where = f"pid {pid} on {node_ip}" if pid is not None else "process not started"
+        super().__init__(
+            f"the {role} worker (rank {rank}, {where}) died ({why}); Ray does not restart "
+            "trainer workers"
+        )
+
+
 @dataclass
 class Pending:
     """A call started on every rank; :meth:`result` waits for it (``refs`` may order
@@ -135,7 +189,10 @@ class Pending:
     refs: list[ray.ObjectRef[tuple[Any, Timeline]]]
 
     def result(self) -> GroupResult:
-        per_rank = ray.get(self.refs)
+        try:
+            per_rank = ray.get(self.refs)
+        except ray.exceptions.RayActorError as exc:
+            raise self.group.lost(exc) from exc
         leaders = self.group.leaders
         return GroupResult(values=[per_rank[r][0] for r in leaders], timeline=list(per_rank[0][1]))
 
@@ -150,8 +207,11 @@ class _Host:
         rank: int,
         world_size: int,
         init: str | None,
+        log_file: tuple[str, str] | None = None,
     ) -> None:
         torch.set_num_threads(1)
+        if log_file is not None:
+            log_to_file(*log_file)
         self._build_args = (worker_cls, config, rank, world_size, init)
         self.worker: ActorWorker | CriticWorker | None = None
 
@@ -184,6 +244,10 @@ class _Host:
             timeline = [(method, t0, t1)]
         return result, timeline
 
+    def where(self) -> tuple[int, str]:
+        """This rank's process id and node address (for messages when it dies)."""
+        return os.getpid(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
     def export_weights(self) -> dict[str, Tensor] | None:
         """Used by the rollout refitter through ``__ray_call__`` (a collective: every
         rank of the group calls it; the source rank returns the weights)."""
@@ -207,9 +271,11 @@ class TrainGroup:
         config: ActorConfig | CriticConfig,
         *,
         slots: Sequence[Slot],
+        log_file: tuple[str, str] | None = None,
     ) -> None:
         """``slots``: the role's ``ppo_placement`` view, one slot per rank (its
-        ``actor_options()`` give the GPU/CPU share and the bundle)."""
+        ``actor_options()`` give the GPU/CPU share and the bundle). ``log_file``:
+        ``(path, level)``: the ranks' lines of :data:`PROJECT_LOGGERS` go there."""
         self.role = role
         self.world_size = len(slots)
         # the data-parallel rendezvous listens on rank 0's node
@@ -220,17 +286,29 @@ class TrainGroup:
                 **slot.actor_options(),
                 runtime_env={"env_vars": dict(_WORKER_ENV)},
                 max_concurrency=1,
-            ).remote(worker_cls, config, rank, self.world_size, init)
+            ).remote(worker_cls, config, rank, self.world_size, init, log_file)
             for rank, slot in enumerate(slots)
         ]
         self.meshes: list[Mesh] = []
         self.leaders: list[int] = []
         self._dp_of: list[int] = []
+        self.processes: list[tuple[int, str]] = []  # (pid, node ip) per rank, once built
 
     def build(self) -> None:
         """Build every rank's worker (surfaces construction errors) and learn the mesh."""
-        self.meshes = list(ray.get([h.build.remote() for h in self.handles]))
+        try:
+            self.processes = list(ray.get([h.where.remote() for h in self.handles]))
+            self.meshes = list(ray.get([h.build.remote() for h in self.handles]))
+        except ray.exceptions.RayActorError as exc:
+            raise self.lost(exc) from exc
         self._dp_of, self.leaders = data_parallel_layout(self.meshes)
+
+    def lost(self, exc: ray.exceptions.RayActorError) -> WorkerLost:
+        """``exc`` (a rank's actor died) as a :class:`WorkerLost` naming the rank."""
+        ids = [h._actor_id.hex() for h in self.handles]
+        rank = ids.index(exc.actor_id) if exc.actor_id in ids else 0
+        pid, ip = self.processes[rank] if rank < len(self.processes) else (None, None)
+        return WorkerLost(self.role, rank, pid, ip, type(exc).__name__)
 
     @property
     def dp_size(self) -> int:
@@ -297,7 +375,12 @@ class TrainGroup:
         """:meth:`submit` and wait."""
         return self.submit(method, **kwargs).result()
 
-    def kill(self) -> None:
+    def kill(self, *, grace_s: float = 10.0) -> None:
+        """End every rank: it exits by itself once its current call returns (within
+        ``grace_s``), then ``ray.kill``. A rank killed in the middle of a call (say a
+        checkpoint write, when its peer died) printed an interpreter traceback."""
+        exits = [h.__ray_terminate__.remote() for h in self.handles]
+        ray.wait(exits, num_returns=len(exits), timeout=grace_s)
         for handle in self.handles:
             ray.kill(handle)
         self.handles = []

@@ -4,7 +4,7 @@ buffer and the rollout manager. See the package README for the API walk-through.
 from ._buffer import ReplayBuffer, build_batch
 from ._embedded import EmbeddedEngine, launch_embedded_engines
 from ._eval import EvalResult, Evaluator
-from ._manager import GroupFailure, RolloutManager
+from ._manager import ClusterLost, GroupFailure, RolloutManager, cluster_reachable, gcs_address
 from ._model import build_model, tiny_qwen2_config
 from ._refit import (
     DEFAULT_BUCKET_BYTES,
@@ -60,6 +60,7 @@ __all__ = [
     "REWARD_FORMS",
     "TASK_ALPHABET",
     "CharTokenizer",
+    "ClusterLost",
     "DataError",
     "EmbeddedEngine",
     "EngineHealth",
@@ -90,9 +91,11 @@ __all__ = [
     "broadcast_state_dict",
     "build_batch",
     "build_model",
+    "cluster_reachable",
     "connect_group",
     "draw_tokens",
     "encode_prompt",
+    "gcs_address",
     "generate_group",
     "generate_rows",
     "launch_embedded_engines",

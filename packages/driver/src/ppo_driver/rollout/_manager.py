@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +37,32 @@ from ._task import PromptDataset, RewardError, RewardFailure, RewardFn, ScoredGr
 from ._types import EngineRestarted, GroupOutput, GroupRequest, SamplingParams
 
 _log = logging.getLogger(__name__)
+
+
+class ClusterLost(RuntimeError):
+    """The Ray cluster the run is connected to is gone (its head, the GCS, does not
+    answer): engines and workers on it will not come back."""
+
+
+def gcs_address() -> str:
+    """``host:port`` of the connected Ray cluster's GCS (known locally, no call to it)."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def cluster_reachable(timeout_s: float = 5.0) -> bool:
+    """Whether the connected Ray cluster's GCS accepts a TCP connection: a stopped head
+    refuses at once, a lost host within ``timeout_s``. Asks nothing of Ray itself (a
+    driver whose GCS is gone blocks in Ray calls, then exits after 60 s)."""
+    host, _, port = gcs_address().rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
 _FORMAT = 1
 
 
@@ -242,6 +269,12 @@ class RolloutManager:
         try:
             outputs: list[GroupOutput] = ray.get(ref)
         except (RayActorError, EngineRestarted) as exc:
+            if isinstance(exc, RayActorError) and not cluster_reachable():
+                raise ClusterLost(
+                    f"engine {call.engine} died with {len(call.groups)} group(s) in flight "
+                    f"and the Ray cluster's head ({gcs_address()}) does not answer: the "
+                    "cluster is gone, nothing that ran on it comes back"
+                ) from exc
             _log.warning(
                 "engine %d %s with %d group(s) in flight; they will be re-dispatched once "
                 "it is back with the current weights",

@@ -15,6 +15,7 @@ small but non-zero reward and every sample carries signal:
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import hashlib
 import importlib
@@ -22,6 +23,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import queue
 import random
 import re
@@ -38,7 +40,10 @@ from ._types import GroupOutput
 
 RewardFn = Callable[..., float | Awaitable[float]]
 """``reward_fn(*, response: str, record: Mapping[str, Any], finish_reason: str)``, sync
-or async, returning a real number: an int or a float (not a bool), finite."""
+or async, returning a real number: an int or a float (not a bool), finite; any
+``numbers.Real`` (``numpy.float32``, ``numpy.int64``, ``fractions.Fraction``) counts and is
+converted with ``float()``. Each call gets its own deep copy of the record: an edit stays
+in that call."""
 
 TASK_LETTERS = "abcdefgh"
 TASK_ALPHABET = TASK_LETTERS + "0123456789:"
@@ -355,14 +360,17 @@ def reward_name(fn: Callable[..., Any]) -> str:
 
 def _checked(value: Any, *, name: str, prompt: int, sample: int) -> float:
     """``value`` as a float, or :class:`RewardError` unless it is a real finite number."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    # numbers.Real: int, float and what registers as real (numpy's integer and float
+    # scalars, Fraction); not bool (nor numpy.bool_, which is not registered), not a
+    # tensor or an array (a reward is one number, not data that may carry a graph)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(
             f"reward {name} returned {value!r} ({type(value).__name__}) for prompt {prompt} "
             f"sample {sample}; {REAL_NUMBER}"
         )
     try:
         number = float(value)
-    except OverflowError:  # an int beyond the float range
+    except OverflowError:  # an int (or a Fraction) beyond the float range
         number = math.inf
     if not math.isfinite(number):
         raise RewardError(
@@ -453,7 +461,11 @@ def score_group(
     """Reward every sample of ``output``; any failure fails the whole group with a
     :class:`RewardError` naming the reward, the prompt and the sample: the function
     raised, returned something that is not a real number (int or float, not bool,
-    finite), or overran ``timeout_s``.
+    finite; any ``numbers.Real`` such as ``numpy.float32`` counts), or overran
+    ``timeout_s``.
+
+    Each call gets its own deep copy of ``record``: a reward that edits its argument
+    changes neither the data set nor what the group's other samples see.
 
     ``timeout_s`` (``None`` or 0: no limit) bounds each call. A sync reward then runs on
     a worker thread, and one that overruns is abandoned: a thread cannot be killed, so
@@ -474,7 +486,7 @@ def score_group(
             call = functools.partial(
                 reward_fn,
                 response=tokenizer.decode(ids),
-                record=record,
+                record=copy.deepcopy(record),
                 finish_reason=sample.finish_reason,
             )
             try:
