@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.6.1"
+__version__ = "0.7.0"
 
 _LAZY = {
     "ConfigError": "ppo_driver.config",

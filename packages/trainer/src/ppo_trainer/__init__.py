@@ -77,7 +77,7 @@ from ppo_trainer._workers import (
     loss_denominator,
 )
 
-__version__ = "0.4.2"
+__version__ = "0.5.0"
 
 __all__ = [
     "KL_ESTIMATORS",
