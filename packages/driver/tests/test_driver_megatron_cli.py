@@ -53,6 +53,10 @@ def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path, dtype: str) -> 
         f"critic.dtype={dtype}",
         "run.num_steps=2",
         *TINY_RUN,
+        # streaming with 3 policy epochs (2..3 over the chunks the Megatron ranks kept)
+        # and the previous step's advantage statistics
+        "ppo.ppo_epochs=3",
+        "ppo.adv_estimator.normalize_advantages=true",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -63,6 +67,8 @@ def test_megatron_from_the_cli_trains_and_refits(tmp_path: Path, dtype: str) -> 
         for key in ("loss/pg", "loss/value", "actor/grad_norm", "critic/grad_norm"):
             assert math.isfinite(row[key]), (key, row)
         assert abs(row["rollout/kl_engine_trainer"]) < KL_BOUND[dtype], row
+        assert row["train/actor_forwards_per_sample"] == 3  # no log-prob forward
+    assert [r["actor/step"] for r in rows] == [3, 6]  # one update per epoch
 
     # The workers really ran Megatron: their checkpoints hold Megatron parameter names.
     latest = run_dir / "checkpoints" / "step_000002"

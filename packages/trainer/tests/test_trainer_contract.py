@@ -362,8 +362,9 @@ def _streamed_epochs(
         pytest.param([1, 1, 1, 1, 1, 1], id="6x1"),
     ],
 )
+@pytest.mark.parametrize("loss_agg", ["sample", "token"])
 def test_streamed_epochs_equal_full_batch_epochs(
-    backend: str, sizes: list[int], epochs: int
+    backend: str, sizes: list[int], epochs: int, loss_agg: str
 ) -> None:
     """K policy epochs while streaming (epoch 1 over the chunks, epochs 2..K over the
     kept chunks) are the computation of K full-batch epochs with a separate log-prob
@@ -372,13 +373,13 @@ def test_streamed_epochs_equal_full_batch_epochs(
     (a bound of 0: nothing differs but the call boundaries), KL loss and entropy on.
     No log-prob forward runs while streaming: K forward+backward passes per sample."""
     kw: dict[str, Any] = {
-        "loss_agg": "sample",
+        "loss_agg": loss_agg,
         "kl_loss_coef": 0.05,
         "entropy_coef": 0.01,
         "micro_batch_size": 1,
     }
     data = make_data(6)
-    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="sample")
+    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg=loss_agg)
     full, streamed = (
         ActorWorker(actor_config(backend, **kw)),
         ActorWorker(actor_config(backend, **kw)),
