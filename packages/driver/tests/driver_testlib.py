@@ -124,14 +124,17 @@ class RoleState:
 
 
 def load_role(ckpt: Path, role: str) -> RoleState:
-    """``ckpt/<role>/rank00000/state.{json,safetensors}`` of the torch backend; the
+    """``ckpt/<role>/rank00000/state.{json,safetensors}`` of one rank. Torch backend: the
     optimizer's state index ``i`` is the ``i``-th parameter (``model.parameters()``
-    order, which is the order of the saved model's keys; shapes are checked)."""
+    order, which is the order of the saved model's keys; shapes are checked). Megatron
+    (float32, no distributed optimizer: ``_megatron_role``)."""
     ranks = sorted((ckpt / role).glob("rank*"))
     assert [r.name for r in ranks] == ["rank00000"], ranks
     meta = json.loads((ranks[0] / "state.json").read_text())
-    assert meta["config"]["backend"] == "torch", meta["config"]["backend"]
     tensors = load_file(str(ranks[0] / "state.safetensors"))
+    if meta["config"]["backend"] == "megatron":
+        return _megatron_role(meta, tensors)
+    assert meta["config"]["backend"] == "torch", meta["config"]["backend"]
     names = list(meta["backend"]["model"])
     state = RoleState(meta["config"], {}, {}, {}, steps=-1)
     steps = set()
@@ -142,6 +145,31 @@ def load_role(ckpt: Path, role: str) -> RoleState:
         assert state.exp_avg[name].shape == state.params[name].shape, name
         steps.add(int(tensors[f"{ADAM_PREFIX}/{i}/step"]))
     assert len(steps) == 1 and len(tensors) == 4 * len(names), (steps, len(tensors))
+    state.steps = steps.pop()
+    return state
+
+
+def _megatron_role(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> RoleState:
+    """A Megatron-backend checkpoint as a ``RoleState``: its optimizer saves each
+    parameter's Adam state by index with the main (float32) copy of that parameter;
+    without mixed precision or the distributed optimizer the main copy IS the parameter,
+    so each index is matched to the one model tensor equal to it."""
+    names = list(meta["backend"]["model"])
+    (group,) = meta["backend"]["optimizer"]  # one chained optimizer: no expert parameters
+    state = RoleState(meta["config"], {}, {}, {}, steps=-1)
+    for name in names:
+        state.params[name] = tensors[f"/backend/model/{name}"]
+    steps = set()
+    prefix = "/backend/optimizer/0"
+    for i in range(int(group["num_params"])):
+        main = tensors[f"{prefix}/main_params/{i}"]
+        (name,) = [
+            n for n, p in state.params.items() if p.shape == main.shape and torch.equal(p, main)
+        ]
+        state.exp_avg[name] = tensors[f"{prefix}/state/{i}/exp_avg"]
+        state.exp_avg_sq[name] = tensors[f"{prefix}/state/{i}/exp_avg_sq"]
+        steps.add(int(tensors[f"{prefix}/state/{i}/step"]))
+    assert state.exp_avg.keys() == state.params.keys() and len(steps) == 1, steps
     state.steps = steps.pop()
     return state
 
