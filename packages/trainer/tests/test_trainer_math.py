@@ -4,6 +4,7 @@ independent hard-coded values, masked extremes, and the pinned GAE."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -19,9 +20,11 @@ from ppo_trainer import (
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
+    masked_moments,
     masked_whiten,
     policy_loss,
     value_loss,
+    whiten_with,
 )
 from ppo_trainer._reference import (
     aggregate_loss_loop,
@@ -306,6 +309,37 @@ def test_masked_whiten_statistics() -> None:
     assert _isclose(picked.std().item(), math.sqrt(var / (var + 1e-8)))
     shifted = masked_whiten(values=values, mask=mask, shift_mean=False)
     assert _isclose(shifted[mask.bool()].mean().item(), values[mask.bool()].mean().item())
+
+
+@given(b=st.integers(1, 4), t=st.integers(1, 8), seed=st.integers(0, 10_000))
+def test_moments_and_whiten_with_match_masked_whiten(b: int, t: int, seed: int) -> None:
+    """``masked_moments`` are the statistics ``masked_whiten`` uses (against the
+    standard library's float64 mean and sample variance of the valid values), and
+    whitening with them given is ``masked_whiten``; other statistics (fixed before a
+    streamed step) shift and scale exactly as given."""
+    values, mask = _rand(b, t, seed, scale=3.0) + 1.0, _mask(b, t, seed)
+    valid = values[mask.bool()].tolist()
+    m = masked_moments(values=values, mask=mask)
+    assert m.n == len(valid)
+    if valid:
+        assert _isclose(m.mean, statistics.fmean(valid))
+        assert _isclose(m.var, statistics.variance(valid) if len(valid) > 1 else 0.0)
+    torch.testing.assert_close(
+        whiten_with(values=values, mask=mask, stats=m),
+        masked_whiten(values=values, mask=mask),
+        **F64,
+    )
+    fixed = whiten_with(values=values, mask=mask, stats=m._replace(mean=0.5, var=4.0))
+    expected = torch.where(mask.bool(), (values - 0.5) / math.sqrt(4.0 + 1e-8), 0.0)
+    torch.testing.assert_close(fixed, expected, **F64)
+
+
+def test_whiten_with_refuses_unusable_statistics() -> None:
+    values, mask = _rand(2, 3, 7), _mask(2, 3, 8)
+    stats = masked_moments(values=values, mask=mask)
+    for bad in (stats._replace(var=-1.0), stats._replace(mean=math.nan)):
+        with pytest.raises(ValueError, match="stats="):
+            whiten_with(values=values, mask=mask, stats=bad)
 
 
 @pytest.mark.parametrize("mode", ["token", "sample"])

@@ -423,7 +423,7 @@ class TrainPump:
             return advantages
         if est.normalization == "chunk":
             return masked_whiten(values=advantages, mask=mask)
-        if self.adv_stats is None or self.adv_stats.count < 2:
+        if self.adv_stats is None or self.adv_stats.n < 2:
             return advantages
         return whiten_with(values=advantages, mask=mask, stats=self.adv_stats)
 
@@ -436,22 +436,30 @@ class TrainPump:
         return not self.cfg.streaming and self.cfg.ppo.ppo_epochs > 1
 
     def _policy_update(self, s: _StepState, batch: StepBatch) -> dict[str, float]:
+        """The step's policy updates (one per epoch); returns the last one's metrics."""
         final = None if s.final else batch.valid_tokens()
-        if not self._logprob_pass:
-            update = self._call(
-                Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
-            ).reduced()
-            epochs = self.cfg.ppo.ppo_epochs - 1
-            if epochs:  # streamed: epochs 2..K over the chunks the actor ranks kept
-                update = self._call(
-                    Role.ACTOR,
-                    Phase.POLICY_UPDATE,
-                    "train_epochs",
-                    s.step,
-                    epochs=epochs,
-                    loss_denominator=s.denominator if final is None else final,
-                ).reduced()
+        if self._logprob_pass:
+            return self._full_batch_epochs(s, batch, final=final)
+        update = self._call(
+            Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
+        ).reduced()
+        epochs = self.cfg.ppo.ppo_epochs - 1
+        if not epochs:
             return update
+        return self._call(  # epochs 2..K over the chunks the actor ranks kept
+            Role.ACTOR,
+            Phase.POLICY_UPDATE,
+            "train_epochs",
+            s.step,
+            epochs=epochs,
+            loss_denominator=s.denominator if final is None else final,
+        ).reduced()
+
+    def _full_batch_epochs(
+        self, s: _StepState, batch: StepBatch, *, final: float | None
+    ) -> dict[str, float]:
+        """Full batch, K > 1 epochs: the old log-probs from a separate forward, then one
+        forward + backward and one update per epoch over the whole batch."""
         rows = Rows(batch.model_inputs())
         old = self._call(
             Role.ACTOR,

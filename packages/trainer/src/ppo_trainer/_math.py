@@ -132,11 +132,11 @@ def masked_whiten(
 
 
 class Moments(NamedTuple):
-    """Count, mean and Bessel-corrected variance of the valid positions (Python floats,
+    """Number, mean and Bessel-corrected variance of the valid positions (Python floats,
     computed in float64): the statistics ``masked_whiten`` uses, as data that can be
     kept and applied later (``whiten_with``)."""
 
-    count: float
+    n: float
     mean: float
     var: float
 

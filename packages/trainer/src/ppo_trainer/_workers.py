@@ -698,7 +698,7 @@ class ActorWorker(_Lifecycle):
         logprobs = _logprobs_fn(logits, mb)
         old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()
         if keep:  # the later epochs' old log-probs (the same tensor this epoch uses)
-            mb["old_logprobs"] = old
+            cast("dict[str, Tensor]", mb)["old_logprobs"] = old
         pl = policy_loss(
             logprobs=logprobs,
             old_logprobs=old,
