@@ -71,6 +71,12 @@ FULL = "async_rl.min_groups_for_streaming_train=64"  # batch 64 in the default: 
             id="streaming-colocated-generation",
         ),
         pytest.param(
+            [FULL, "cluster.colocate=true", "async_rl.sampler.max_lookahead_versions=1"],
+            "async_rl.sampler.max_lookahead_versions",
+            "release their memory while the actor and the critic train",
+            id="colocated-lookahead",
+        ),
+        pytest.param(
             ["cluster.rollout_gpus=0"],
             "cluster.rollout_gpus",
             "generation runs locally",

@@ -46,6 +46,7 @@ class Call:
     who: str  # "actor", "critic", "generation", "rollout"
     what: str  # the method
     wake_first: object = False
+    sleep_after: object = None
     step: int = -1  # the pump's completed_steps when it happened
     ready: int = 0  # rollout polls: groups that became ready
     args: tuple[tuple[str, object], ...] = ()  # the call's scalar keyword arguments
@@ -71,6 +72,12 @@ class World:
     log: list[Call] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
     pump: TrainPump | None = None
+    # the models on the training devices, from the calls' wake-ups and sleeps (the
+    # critic is resident at start-up)
+    resident: set[str] = field(default_factory=lambda: {"critic"})
+    # (event, models resident, engines paused) at each trainer call and each group
+    # generated
+    shared: list[tuple[str, frozenset[str], bool]] = field(default_factory=list)
 
 
 class _Done:
@@ -105,8 +112,22 @@ class _Group:
         assert pump is not None
         scalars = tuple((k, v) for k, v in sorted(kwargs.items()) if isinstance(v, int | float))
         self.world.log.append(
-            Call(self.role, method, wake_first, step=pump.completed_steps, args=scalars)
+            Call(
+                self.role,
+                method,
+                wake_first,
+                sleep_after,
+                step=pump.completed_steps,
+                args=scalars,
+            )
         )
+        if wake_first or method == "wake_up":
+            self.world.resident.add(self.role)
+        if method not in ("sleep", "counters"):  # work on the devices (not a counter read)
+            event = f"{self.role}.{method}"
+            self.world.shared.append((event, frozenset(self.world.resident), self.engines.paused))
+        if sleep_after is not None or method == "sleep":
+            self.world.resident.discard(self.role)
         inputs = rows.tensors if rows is not None else {}
         value: Any = None
         if method in ("compute_values", "compute_logprobs"):
@@ -185,6 +206,9 @@ class _Rollout:
         gid, step = self.next_gid, self.next_gid // self.batch
         ready: list[int] = []
         if not self.engines.paused and self.sampler.can_dispatch(step, trainer_step=trainer_step):
+            self.world.shared.append(
+                ("generate", frozenset(self.world.resident), self.engines.paused)
+            )
             self.buffer.add(self._group(gid), step=step)
             self.sampler.add(gid, step=step, weight_version=self.engines.version)
             self.next_gid += 1
@@ -230,6 +254,7 @@ def _world(*extra: str) -> tuple[World, _Rollout]:
     world = World(cfg)
     sampler = make_sampler(sampler_config(cfg))
     engines = _Engines(world)
+    engines.paused = cfg.cluster.colocate  # colocated engines start released
     rollout = _Rollout(world, sampler, engines)
     world.pump = TrainPump(
         cfg,
@@ -282,35 +307,67 @@ def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> 
     assert sorted(saved) == ["actor", "critic"]
 
 
-def test_colocated_full_batch_pauses_generation_for_critic_training_then_refits() -> None:
-    """Generation on the training devices (full batch): it is paused while the critic
-    trains, the refit follows critic training, and generation resumes after the refit."""
+@pytest.mark.timeout(120)  # the old pump never resumed released engines: a hang
+def test_colocated_full_batch_time_shares_the_devices_with_generation() -> None:
+    """Generation on the training devices (full batch): the engines start released;
+    they resume for generation only while both models sleep, and release their memory
+    (pause) once the batch is generated, before any model wakes. The value forward
+    wakes the critic after that (not before the wait); the refit follows critic
+    training and the engines resume only after the actor slept again. A checkpoint
+    between steps releases the engines first; the next step resumes them."""
     world, rollout = _world(*COLOCATED)
     assert world.pump is not None
-    for step in range(2):
+    for step in range(3):
+        begin = len(world.log)  # this step's events (a checkpoint's are before it)
         report = world.pump.run_step()
         seen = world.seen[step]
         assert seen.engines_paused  # observed from inside critic training
         assert seen.engine_version == step  # the refit has not happened yet
-        pause, refit, resume = (
-            _index(world.log, "generation", what, step=step)
-            for what in ("pause", "refit", "resume")
+        pause, refit, resume, claim = (
+            [i for i, c in enumerate(world.log) if i >= begin and c.what == what]
+            for what in ("pause", "refit", "resume", "claim")
         )
-        assert [len(pause), len(refit), len(resume)] == [1, 1, 1]
-        assert pause[0] < seen.log_index < refit[0] < resume[0]
+        trainers = [
+            i
+            for i, c in enumerate(world.log)
+            if i >= begin and c.who in ("actor", "critic") and c.what != "counters"
+        ]
+        # step 0 and the step after a checkpoint start released: resumed first
+        starts_released = step in (0, 2)
+        assert [len(pause), len(refit), len(resume)] == [1, 1, 1 + starts_released]
+        work = [i for i in trainers if world.log[i].what != "sleep"]
+        if starts_released:  # the critic (resident at start-up, after a checkpoint)
+            # sleeps, then the engines resume
+            assert world.log[trainers[0]] == Call("critic", "sleep", step=step, args=())
+            assert trainers[0] < resume[0] < claim[0]
+        assert claim[0] < pause[0] < work[0]  # released before any model wakes
+        assert pause[0] < seen.log_index < refit[0] < resume[-1]
+        assert trainers[-1] < resume[-1]  # the actor's sleep after the refit
+        assert world.log[trainers[-1]] == Call("actor", "sleep", step=step, args=())
+        (forward,) = [world.log[i] for i in trainers if world.log[i].what == "compute_values"]
+        assert forward.wake_first  # the critic wakes after generation, not before it
         assert not rollout.engines.paused and rollout.engines.version == step + 1
+        assert world.resident == set()  # between steps the devices are the engines'
         assert seen.claimed == report.group_ids and seen.completed_steps == step
+        if step == 1:  # a checkpoint between steps: the engines release first
+            before = len(world.log)
+            world.pump.save_models(lambda role: None, step=step + 1)
+            assert world.log[before] == Call("generation", "pause", step=step + 1)
+            assert rollout.engines.paused and world.resident == {"critic"}
+    # never a model on the devices while the engines generate, never the engines
+    # resident while a model works
+    generated = [r for e, r, _ in world.shared if e == "generate"]
+    assert len(generated) == 3 * 8 and not any(generated)
+    worked = [(e, paused) for e, _, paused in world.shared if e != "generate"]
+    assert worked and all(paused for _, paused in worked), worked
 
 
-@pytest.mark.parametrize("mode", [STREAMING, COLOCATED], ids=["streaming", "colocated"])
-def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections(
-    mode: list[str],
-) -> None:
-    """The controller wakes the critic before it waits for the next chunk (between
-    chunks while streaming; at a step's start after a colocated refit left the actor
-    resident), never inside the value forward that follows the wait, and keeps it
-    resident across the empty selections of the wait (no switch between polls)."""
-    world, _ = _world(*mode)
+def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections() -> None:
+    """Streaming: the controller wakes the critic before it waits for the next chunk
+    (between chunks), never inside the value forward that follows the wait, and keeps it
+    resident across the empty selections of the wait (no switch between polls).
+    (Colocated, the critic sleeps through generation: see the colocated test.)"""
+    world, _ = _world(*STREAMING)
     assert world.pump is not None
     reports = [world.pump.run_step() for _ in range(2)]
     log = world.log
@@ -324,10 +381,8 @@ def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections(
             j -= 1
         if (log[j].who, log[j].what) == ("critic", "wake_up"):
             waits.append(sum(c.what == "poll" for c in log[j + 1 : i]))
-    if mode is STREAMING:  # every chunk but a step's first: the actor was resident
-        assert len(waits) == sum(len(r.chunk_groups) - 1 for r in reports)
-    else:  # step 1 starts after the refit that followed critic training
-        assert len(waits) == 1
+    # every chunk but a step's first: the actor was resident
+    assert len(waits) == sum(len(r.chunk_groups) - 1 for r in reports)
     # the pump polls again only after an empty selection: a wait of two polls or more
     # met one, with the critic resident throughout (no switch among the polls)
     assert max(waits) >= 2

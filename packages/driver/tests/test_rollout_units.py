@@ -165,6 +165,32 @@ def test_embedded_engine_in_process_tags_version_and_pauses(dataset: PromptDatas
         engine.generate([req, req])
 
 
+def test_embedded_engine_starts_released_and_takes_a_refit_while_released(
+    dataset: PromptDataset,
+) -> None:
+    """Colocated engines start released and paused; a weight update while released
+    lands (the engine stays released), and after resuming it generates exactly what an
+    engine that took the same update while resident generates."""
+    config = tiny_qwen2_config(vocab_size=TOK.vocab_size)
+    req = GroupRequest(prompt_index=3, prompt_ids=dataset.prompt_ids(3), params=PARAMS)
+    resident = EmbeddedEngine(model=config, run_seed=1)
+    new = {k: v + 0.01 for k, v in resident.model.state_dict().items()}
+    resident.update_weights(new, version=5)
+    (expected,) = resident.generate([req])
+
+    engine = EmbeddedEngine(model=config, run_seed=1, released=True)
+    health = engine.health()
+    assert health.memory_released and health.paused
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    assert engine.update_weights(new, version=5) == 5
+    assert engine.health().memory_released  # the update did not leave it resident
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    engine.resume_memory()
+    engine.continue_generation()
+    (out,) = engine.generate([req])
+    assert out.weight_version == 5 and out.samples == expected.samples
+
+
 def test_embedded_engine_paces_decode_steps(
     dataset: PromptDataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:

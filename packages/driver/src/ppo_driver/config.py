@@ -844,6 +844,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     _check_dtype(r, cfg)
     mesh_ok = _check_megatron(r, cfg)
     _check_layout(r, cfg)
+    _check_colocated_lookahead(r, cfg)
     if mesh_ok:
         _check_alignment(r, cfg)
     _check_files(r, cfg)
@@ -1299,6 +1300,25 @@ def _check_layout(r: ValidationReport, cfg: DriverConfig) -> None:
                 f"(ppo_placement.check_streaming_layout refuses a colocated layout: {exc_head})",
                 "set cluster.colocate=false and cluster.rollout_gpus >= 1, "
                 f"or async_rl.min_groups_for_streaming_train={cfg.batch_groups} for full-batch mode",
+            )
+        )
+
+
+def _check_colocated_lookahead(r: ValidationReport, cfg: DriverConfig) -> None:
+    """Colocated generation time-shares the training devices: the engines hold them only
+    while no trainer model is resident (between a step's refit and its batch). Generation
+    ahead of the policy (look-ahead >= 1) would run during training, on the same devices."""
+    lookahead = cfg.async_rl.sampler.max_lookahead_versions
+    if cfg.cluster.colocate and lookahead >= 1:
+        r.errors.append(
+            ConfigProblem(
+                "async_rl.sampler.max_lookahead_versions",
+                lookahead,
+                "with cluster.colocate=true the engines share the training devices and "
+                "release their memory while the actor and the critic train; generating "
+                "the next step's samples ahead of the policy would need them during training",
+                "set async_rl.sampler.max_lookahead_versions=0, or cluster.colocate=false "
+                "with cluster.rollout_gpus >= 1 (generation on devices of its own)",
             )
         )
 

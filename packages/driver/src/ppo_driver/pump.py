@@ -16,6 +16,19 @@ document's; the worker calls are in docs/interfaces.md):
         critic: critic_ppo_epochs over the assembled step batch
         driver: release the step's rows, count the step
 
+Colocated generation (``cluster.colocate``, full batch only; no look-ahead: validate)
+time-shares the training devices with both models: the engines hold them only while
+no trainer model is resident. They start released; each step then runs
+
+    generation: engines resume (memory, then generation); both trainers asleep
+    after the batch: engines pause and release their memory
+    critic, actor: the step above (value forward, policy epochs and updates), then
+                critic training
+    actor : refit (the engines take the weights while released: the actor's weights
+            and theirs are the only two on the devices), then the actor sleeps
+    generation: engines resume (evaluation between steps runs on them); a checkpoint
+            or an export between steps releases them again first
+
 The pump owns the plan: who is resident when (``ppo_lifecycle.ResidencyPlanner``, whose
 choice travels inside each worker call as ``wake_first`` / ``sleep_after``), when to
 refit, when a checkpoint may be taken. The workers own the mechanism.
@@ -36,7 +49,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from ppo_lifecycle import Action, CallPlan, Phase, ResidencyPlanner, Role, Transition, Work
+from ppo_lifecycle import (
+    ALL_PARTS,
+    Action,
+    CallPlan,
+    Phase,
+    ResidencyPlanner,
+    Role,
+    Transition,
+    Work,
+)
 from ppo_sampler import Sampler
 from ppo_trainer import Moments, gae, masked_moments, masked_whiten, whiten_with
 
@@ -150,11 +172,17 @@ class RolloutLink(Protocol):
 class GenerationControl(Protocol):
     """The engines as the plan sees them: weights and device sharing."""
 
-    def refit(self, *, version: int) -> None: ...
+    def refit(self, *, version: int) -> None:
+        """The actor's current weights as ``version``, on every engine (also released)."""
+        ...
 
-    def pause(self) -> None: ...
+    def pause(self) -> None:
+        """Stop generating and release the engines' device memory (idempotent)."""
+        ...
 
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Take the memory back and generate again (idempotent)."""
+        ...
 
 
 @dataclass
@@ -206,7 +234,8 @@ _CHUNK_KEYS = ("actor/valid_tokens", "loss/pg", "actor/clipfrac", "actor/approx_
 class TrainPump:
     """Drives the actor group, the critic group and the rollout side through PPO steps.
 
-    At construction the actor is asleep and the critic resident (the start-up order).
+    At construction the actor is asleep and the critic resident (the start-up order);
+    colocated engines are released (they start so).
     """
 
     def __init__(
@@ -251,6 +280,9 @@ class TrainPump:
         # the raw advantages' statistics of the last finished step (normalization:
         # previous_step); None until a step has finished
         self.adv_stats: Moments | None = None
+        # colocated generation time-shares the training devices (module docstring)
+        self.colocated = cfg.cluster.colocate and not cfg.streaming
+        self.engines_released = self.colocated  # colocated engines start released
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -276,6 +308,7 @@ class TrainPump:
         group, between steps; the actor is woken if needed)."""
         if self.in_update:
             raise RuntimeError("export_policy inside an update: export between steps")
+        self._release_engines()
         weights = self._call(Role.ACTOR, Phase.REFIT, "export_weights", self.completed_steps)
         exported: dict[str, torch.Tensor] = weights.values[0]
         return exported
@@ -295,15 +328,21 @@ class TrainPump:
 
     def _run_step(self, step: int) -> StepReport:
         cfg = self.cfg
-        colocated = cfg.cluster.colocate and not cfg.streaming
+        colocated = self.colocated
         s = _StepState(step, policy=step >= cfg.ppo.critic_warmup_steps)
         t_step, switches = time.perf_counter(), self.planner.switches
         self.trace.take_step_totals()
         self.gate.begin_step(step)
+        if colocated:  # generation's turn on the devices: no trainer model stays there
+            self._trainers_asleep(step)
+            self._resume_engines()
         self.feed_generation()
-        self._switch(step, Phase.WAIT, Phase.VALUE_FORWARD)  # the critic, before the wait
+        if not colocated:
+            self._switch(step, Phase.WAIT, Phase.VALUE_FORWARD)  # the critic, before the wait
         while self.gate.remaining > 0:
             chunk = self._next_chunk(s)
+            if colocated and self.gate.remaining == 0:  # generated: the trainers' turn
+                self._release_engines()
             with self.trace.span(f"chunk {len(s.chunks)}", step=step, phase="chunk"):
                 self._train_chunk(s, chunk, more=self.gate.remaining > 0)
             if self.gate.remaining > 0:  # the critic wakes while the pump waits
@@ -469,7 +508,7 @@ class TrainPump:
             then=(Phase.POLICY_BACKWARD,),
             rows=rows,
         ).tensor()
-        update: dict[str, float] = {}
+        update = {}
         for epoch in range(self.cfg.ppo.ppo_epochs):
             per_sample = {"advantages": batch.need("advantages"), "old_logprobs": old}
             if epoch == 0:  # the engine-vs-trainer gap, measured once
@@ -507,10 +546,9 @@ class TrainPump:
         self, s: _StepState, batch: StepBatch, *, colocated: bool
     ) -> dict[str, float]:
         """critic_ppo_epochs epochs over the step batch (frozen returns and old values).
-        Colocated, generation shares the devices: it pauses, and the refit follows."""
+        Colocated (the engines released since the batch was generated): the refit
+        follows, both trainers sleep, and the engines take the devices back."""
         ppo = self.cfg.ppo
-        if colocated:
-            self.generation.pause()
         self._maybe_fail("before_critic", s.step)
         per_rank = ppo.critic_mini_batch_size // self.critic.dp_size  # divides: validate
         # the same global mini-batches whatever the data-parallel size
@@ -529,11 +567,40 @@ class TrainPump:
         if colocated:
             if s.policy:
                 self._refit_trained(s)
-            self.generation.resume()
+            self._trainers_asleep(s.step)
+            self._resume_engines()
         summed = out.summed()
         return {k: v / len(out.values) for k, v in summed.items()}
 
     # ---------------------------------------------------------------- residency
+    def _release_engines(self) -> None:
+        """Colocated: the engines stop and release their memory (before a trainer model
+        is woken); a no-op when they already did, or generation has its own devices."""
+        if self.colocated and not self.engines_released:
+            self.generation.pause()
+            self.engines_released = True
+
+    def _resume_engines(self) -> None:
+        """Colocated: the engines take their memory back and generate (no trainer model
+        is resident: :meth:`_trainers_asleep` first)."""
+        if self.engines_released:
+            assert self.planner.resident is None, self.planner
+            self.generation.resume()
+            self.engines_released = False
+
+    def _trainers_asleep(self, step: int) -> None:
+        """Colocated, between steps: the resident model (if any) sleeps with all its
+        parts, leaving the devices to the engines. The planner only ever leaves a model
+        resident (or none after a call's ``sleep_after``); it is told of this sleep
+        through its state (no gradients are pending between steps)."""
+        role = self.planner.resident
+        if role is None:
+            return
+        assert not self.planner.pending_gradients, self.planner
+        self._execute([Transition(role, Action.SLEEP, ALL_PARTS)], step)
+        state = self.planner.state_dict()
+        self.planner.load_state_dict({**state, "resident": None, "resident_parts": []})
+
     def _call(
         self,
         role: Role,
@@ -618,6 +685,7 @@ class TrainPump:
                 "excludes the whole update (through critic training); save between steps"
             )
         self._settle()
+        self._release_engines()  # colocated: the models wake on the engines' devices
         for item in self.planner.checkpoint(end_resident=Role.CRITIC):
             if isinstance(item, Work):
                 assert item.role is not None

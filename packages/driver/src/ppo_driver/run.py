@@ -232,7 +232,8 @@ def _launch_engines(
 ) -> list[Any]:
     """``rollout.num_engines`` engines of kind ``rollout.engine`` on the rollout bundles
     (round robin; engines sharing a bundle split its share). sglang engines load the
-    policy's directory, or write the tiny model of ``model`` on their node."""
+    policy's directory, or write the tiny model of ``model`` on their node. Colocated,
+    they start released and paused (the pump resumes them for generation)."""
     n = cfg.rollout.num_engines
     per_bundle = -(-n // len(slots))
     placed = [slots[i % len(slots)] for i in range(n)]
@@ -249,6 +250,7 @@ def _launch_engines(
                 "enable_memory_saver": cfg.cluster.colocate,
                 **cfg.rollout.engine_kwargs,
             },
+            released=cfg.cluster.colocate,
         )
     else:
         engines = launch_embedded_engines(
@@ -259,6 +261,7 @@ def _launch_engines(
             num_cpus=placed[0].num_cpus / per_bundle,
             num_gpus=placed[0].num_gpus / per_bundle,
             step_delay_s=cfg.rollout.decode_delay_s,
+            released=cfg.cluster.colocate,
         )
     for engine in engines:
         on_exit("engine", partial(ray.kill, engine))
@@ -272,7 +275,9 @@ def _stop_sglang(engine: Any) -> None:
 
 
 class _Generation:
-    """The engines as the pump's plan sees them: refit, pause/resume (shared devices)."""
+    """The engines as the pump's plan sees them: refit, pause/resume (shared devices:
+    ``pause`` stops generation and releases the engines' memory, ``resume`` takes it back
+    and generation goes on; both idempotent)."""
 
     def __init__(self, engines: list[Any], refitter: WeightRefitter) -> None:
         self.engines, self.refitter = engines, refitter
@@ -1043,8 +1048,13 @@ def _start(built: _Built, *, latest: Path | None, t_run: float) -> int | None:
     """Start the models one at a time (two full models and optimizers never need to fit
     at once): build the actor -> load its checkpoint -> put it fully to sleep -> build
     the critic -> load. Then restore every other stateful part from ``latest``; returns
-    the step resumed from (``None``: a fresh run)."""
+    the step resumed from (``None``: a fresh run). Colocated, the engines have released
+    their memory before the actor is built (they start released)."""
     actor, critic, trace = built.actor, built.critic, built.trace
+    if built.pump.cfg.cluster.colocate:
+        with trace.span("start engines (released)", phase="startup"):
+            ray.get([e.health.remote() for e in built.engines])
+        log.info("start-up: %d engine(s) up, memory released", len(built.engines))
     with trace.span("start actor", phase="startup"):
         actor.build()
         if latest is not None:

@@ -12,6 +12,13 @@ strictly between two rounds; every output carries the version that produced all 
 its samples. An engine that Ray restarted holds the weights it was built with, not the
 current policy: it refuses to generate (:class:`EngineRestarted`) until it has received
 weights (or the driver confirmed its initial ones are current).
+
+Releasing memory (``release_memory``, while colocated trainers hold the devices) puts
+the weights to sleep with :class:`ppo_lifecycle.OffloadManager` (the trainers'
+mechanism, ``host_copy``): on CUDA they go to pinned host memory; on a CPU "device"
+they leave the process (its resident memory drops by their size). A weight update
+while released wakes them, writes, and releases them again. ``released=True`` starts
+the engine that way (and paused: ``resume_memory`` + ``continue_generation`` first).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from ppo_lifecycle import ALL_PARTS, OffloadManager
 
 from ._model import build_model
 from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
@@ -80,6 +88,10 @@ class EmbeddedEngine:
         step_delay_s: each decode step takes at least this long: the engine sleeps what
             its compute left of it (emulates a device of that speed, whatever else runs
             on the host's cores while the compute fits in the period).
+        released: start with the memory released and generation paused (colocated
+            engines: the trainers are built while the engines hold nothing). A start
+            after Ray restarted the engine is resident (it died generating, when the
+            devices are the engines').
     """
 
     def __init__(
@@ -94,6 +106,7 @@ class EmbeddedEngine:
         weight_version: int = 0,
         gather_s: float = 0.05,
         step_delay_s: float = 0.0,
+        released: bool = False,
     ) -> None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,7 +131,14 @@ class EmbeddedEngine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._released = False
-        self._host_copy: dict[str, torch.Tensor] | None = None
+        # the mechanism of release_memory / resume_memory (no optimizer, no gradients)
+        self._memory = OffloadManager(
+            self.model,
+            device=self.device,
+            backend="host_copy",
+            name=engine_id,
+            keep_gradients=False,
+        )
         self._groups: dict[str, RefitGroup] = {}
         self._slow_step_s = float(step_delay_s)
         self._step_t0 = 0.0  # when the current decode step started (pacing)
@@ -130,6 +150,9 @@ class EmbeddedEngine:
                 engine_id,
                 self.weight_version,
             )
+        elif released:
+            self.pause_generation()
+            self.release_memory()
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
@@ -278,17 +301,15 @@ class EmbeddedEngine:
             self._cv.notify_all()
 
     def release_memory(self) -> None:
-        """Move the weights off the device (a host copy); idempotent. On CPU the copy is
-        the weights themselves and only the state changes."""
+        """Put the weights to sleep (off the device: pinned host memory on CUDA, out of
+        the process on a CPU "device"); idempotent."""
         with self._lock:
             if self._released:
                 _log.info(
                     "engine %s: release_memory() while released; nothing to do", self.engine_id
                 )
                 return
-            if self.device.type == "cuda":
-                self.model.to("cpu")
-                torch.cuda.empty_cache()
+            self._memory.sleep(parts=ALL_PARTS)
             self._released = True
 
     def resume_memory(self) -> None:
@@ -298,8 +319,7 @@ class EmbeddedEngine:
                     "engine %s: resume_memory() while resident; nothing to do", self.engine_id
                 )
                 return
-            if self.device.type == "cuda":
-                self.model.to(self.device)
+            self._memory.wake_up(parts=ALL_PARTS)
             self._released = False
 
     def health(self) -> EngineHealth:
@@ -332,8 +352,15 @@ class EmbeddedEngine:
                 "trainer must build the same architecture"
             )
         with self._lock, torch.no_grad():
-            for name, tensor in tensors.items():
-                params[name].copy_(tensor)
+            if self._released:  # released (colocated): wake, write, release again
+                self._memory.wake_up(parts=ALL_PARTS)
+            try:
+                params = self.model.state_dict()
+                for name, tensor in tensors.items():
+                    params[name].copy_(tensor)
+            finally:
+                if self._released:
+                    self._memory.sleep(parts=ALL_PARTS)
             self.weight_version = int(version)
             self._needs_weights = False
         return self.weight_version
@@ -450,8 +477,10 @@ def launch_embedded_engines(
     batch_groups: bool = True,
     name_prefix: str = "engine",
     step_delay_s: float = 0.0,
+    released: bool = False,
 ) -> list[Any]:
-    """Start ``count`` :class:`EmbeddedEngine` Ray actors.
+    """Start ``count`` :class:`EmbeddedEngine` Ray actors (``released``: with their
+    memory released and generation paused, see :class:`EmbeddedEngine`).
 
     ``scheduling_strategies[i]`` (e.g. a rollout bundle's strategy from
     ``ppo_placement``) places engine ``i``. Ray restarts a dead engine up to
@@ -481,6 +510,7 @@ def launch_embedded_engines(
                 device=device,
                 batch_groups=batch_groups,
                 step_delay_s=step_delay_s,
+                released=released,
             )
         )
     return handles

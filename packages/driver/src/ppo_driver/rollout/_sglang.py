@@ -190,6 +190,9 @@ class SglangEngine:
     then refuses to generate after a resume that no refit followed, instead of
     sampling from garbage.
 
+    ``released=True`` starts the engine released and paused, like
+    :class:`EmbeddedEngine` (colocated: the trainers are built after it let go).
+
     A refit while released (the colocated step: release, train, refit, resume) first
     brings back the ``weights`` memory alone, so the update writes to mapped memory;
     ``resume_memory`` then brings back the rest (KV cache, CUDA graphs).
@@ -212,6 +215,7 @@ class SglangEngine:
         run_seed: int,
         engine_id: str = "sglang",
         weight_version: int = 0,
+        released: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         sgl = _import_sglang()
@@ -249,6 +253,9 @@ class SglangEngine:
         self._broken_weights: str | None = None
         self._groups: dict[str, RefitGroup] = {}
         self._needs_weights = restarted_by_ray()  # see EmbeddedEngine
+        if released and not self._needs_weights:  # see EmbeddedEngine's ``released``
+            self.pause_generation()
+            self.release_memory()
 
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
         """All groups of the call go to sglang as one batch."""
@@ -546,6 +553,7 @@ def launch_sglang_engines(
     max_concurrency: int = 64,
     name_prefix: str = "sglang",
     engine_kwargs: Mapping[str, Any] | None = None,
+    released: bool = False,
 ) -> list[Any]:
     """Start ``count`` :class:`SglangEngine` Ray actors, like
     :func:`launch_embedded_engines`: ``scheduling_strategies[i]`` (a rollout bundle's)
@@ -576,6 +584,7 @@ def launch_sglang_engines(
                 **source,
                 run_seed=run_seed,
                 engine_id=f"{name_prefix}-{i}",
+                released=released,
                 **dict(engine_kwargs or {}),
             )
         )
