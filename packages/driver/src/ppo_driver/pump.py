@@ -508,7 +508,7 @@ class TrainPump:
             then=(Phase.POLICY_BACKWARD,),
             rows=rows,
         ).tensor()
-        update = {}
+        update: dict[str, float] = {}
         for epoch in range(self.cfg.ppo.ppo_epochs):
             per_sample = {"advantages": batch.need("advantages"), "old_logprobs": old}
             if epoch == 0:  # the engine-vs-trainer gap, measured once
