@@ -903,15 +903,26 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+def _from_ray(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ray error or was raised from one (a :class:`WorkerLost`
+    wraps the ``RayActorError`` of a dead rank, which a lost cluster also causes)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ray.exceptions.RayError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _fault(
     exc: Exception, built: _Built | None, *, run_dir: Path, cluster_lost: threading.Event
 ) -> RunFailed:
     """A fault during the run as :class:`RunFailed`; its traceback goes to ``train.log``
-    (not the terminal). A Ray error while the cluster's GCS does not answer is a lost
-    cluster: the teardown then skips what would wait for it."""
-    lost = isinstance(exc, ClusterLost) or (
-        isinstance(exc, ray.exceptions.RayError) and not cluster_reachable()
-    )
+    (not the terminal). A Ray error (or one raised from it) while the cluster's GCS does
+    not answer is a lost cluster: the teardown then skips what would wait for it."""
+    lost = isinstance(exc, ClusterLost) or (_from_ray(exc) and not cluster_reachable())
     what = describe_fault(exc)
     if lost:
         cluster_lost.set()
