@@ -46,6 +46,7 @@ from ppo_sampler import Sampler, make_sampler
 from ppo_trainer import ActorWorker, CriticWorker, ModelSpec, save_hf_checkpoint
 from transformers import AutoTokenizer
 
+from ppo_driver._latest import last_checkpoint_note
 from ppo_driver.checkpoint import (
     CheckpointDamaged,
     checkpoint_step,
@@ -632,21 +633,6 @@ def _check_resume_config(
             + "Continue with the saved values, or start a new run (--overwrite, or another "
             "--run-dir)"
         )
-
-
-def last_checkpoint_note(run_dir: str | Path) -> str:
-    """Where a stopped run can be continued from, for the user."""
-    run_dir = Path(run_dir)
-    ckpt_dir = run_dir / "checkpoints"
-    if ckpt_dir.exists() and not ckpt_dir.is_dir():
-        return (
-            f"{ckpt_dir} is not a directory: no checkpoint can be found there (put the "
-            "checkpoints directory back before --resume)"
-        )
-    latest = find_latest(ckpt_dir)
-    if latest is None:
-        return f"no checkpoint was written in {run_dir}: --resume would start from step 0"
-    return f"last complete checkpoint: {latest} ({checkpoint_step(latest)} step(s) done)"
 
 
 # ------------------------------------------------------------------- signals
