@@ -4,8 +4,9 @@ process), the last complete checkpoint and the ``--resume`` command, exit code 1
 traceback on the terminal (it is in ``train.log``), nothing left running, nothing
 half-written left (``*.partial``, ``hf.tmp``), and the latest checkpoint verifies.
 
-Each drill is one process start (it launches Ray, the slow part), in its own session
-so that what it leaves behind can be found by process group.
+Each drill is one process start (it launches Ray, the slow part; the lost-cluster drill
+joins a ``ray start --head`` of its own instead), in its own session so that what it
+leaves behind can be found by process group.
 """
 
 from __future__ import annotations
@@ -21,18 +22,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ppo_driver.checkpoint import find_latest, verify_checkpoint
-from test_driver_cli_safety_signals import OVERRIDES, Run
+from driver_testlib import TINY_RUN
+from ppo_driver.checkpoint import checkpoint_step, find_latest, verify_checkpoint
+from ray_cluster_testlib import bring_up, head_node, head_ready, token_env
+from test_driver_cli_safety_signals import OVERRIDES, WAIT_S, Run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
-def _assert_fault_stop(run: Run, code: int, run_dir: Path, *, ckpt_dir: Path | None = None) -> str:
-    """The common guarantees; returns stderr."""
+def _assert_fault_stop(
+    run: Run, code: int, run_dir: Path, *, ckpt_dir: Path | None = None, traceback: bool = True
+) -> str:
+    """The common guarantees; returns stderr. ``traceback``: the fault was a Python
+    exception (false: Ray ended the driver, and the watcher reported it)."""
     err = run.stderr
     assert code == 1, err[-4000:]
     assert "ppo-driver: stopped at step " in err, err[-4000:]
-    assert f"the traceback is in {run_dir / 'train.log'}" in err
+    if traceback:
+        assert f"the traceback is in {run_dir / 'train.log'}" in err
     assert f"to continue: ppo-driver train --run-dir {run_dir} --resume" in err
     assert "Traceback" not in err, err[-4000:]
     assert run.leftovers() == ""
@@ -42,7 +49,8 @@ def _assert_fault_stop(run: Run, code: int, run_dir: Path, *, ckpt_dir: Path | N
     assert not list(ckpt_dir.glob("*.partial")) and not list(ckpt_dir.glob("latest.tmp*"))
     assert not (run_dir / "hf.tmp").exists()
     log = (run_dir / "train.log").read_text()
-    assert "Traceback (most recent call last)" in log  # the details are kept
+    if traceback:
+        assert "Traceback (most recent call last)" in log  # the details are kept
     return err
 
 
@@ -178,3 +186,61 @@ def test_a_full_disk_while_writing_a_checkpoint_stops_the_run(tmp_path: Path) ->
         assert "while writing checkpoint" in err, err[-4000:]
         filler.unlink()
         _assert_fault_stop(run, code, run_dir)
+
+
+LOST_CLUSTER_BOUND_S = 40.0
+"""How long after its cluster is lost the run must be gone: Ray's own fallback ends a
+driver whose GCS stays away after 60 s (``Failed to connect to GCS within 60
+seconds``), with no message of ours; the run must end well before that."""
+
+
+def _wait_for_checkpoint(run: Run, ckpt_dir: Path, step: int) -> Path:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        latest = find_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+        if latest is not None and (checkpoint_step(latest) or 0) >= step:
+            return latest
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            pytest.fail(f"no checkpoint {step} in {ckpt_dir}:\n{run.stderr[-4000:]}")
+        time.sleep(0.2)
+
+
+def test_a_lost_cluster_stops_the_run_in_bounded_time(tmp_path: Path) -> None:
+    """Item 2: the run joined a ``ray start --head`` cluster on 127.0.0.1
+    (``cluster.address``); the head's whole process group (GCS, raylet, the run's workers
+    and engine) is SIGKILLed after the second checkpoint. Before: eight lines of "engine 0
+    died ...; they will be re-dispatched once it is back" (it never comes back), then
+    Ray's ``Failed to connect to GCS within 60 seconds``, exit 1 after 62 s."""
+    run_dir = tmp_path / "run"
+    with token_env() as env:
+        head, address = head_node(env, num_gpus=2)  # actor + critic, and the engine
+        try:
+            bring_up(head, lambda: head_ready(head, address), [])
+            run = Run("--run-dir", str(run_dir), "--no-progress", *TINY_RUN, "run.num_steps=100",
+                      "rollout.max_new_tokens=8", f"cluster.address={address}", env=env)  # fmt: skip
+            try:
+                _wait_for_checkpoint(run, run_dir / "checkpoints", step=2)
+                head.kill()
+                killed = time.monotonic()
+                code = run.finish()
+                took = time.monotonic() - killed
+            finally:
+                run.kill()
+        finally:
+            head.stop()
+    # Ray ends a driver whose node's raylet is gone at its next object-store call (C++,
+    # no Python after it); the watcher beside the driver then reports the end
+    by_watcher = "(seen by the watcher)" in (run_dir / "train.log").read_text()
+    err = _assert_fault_stop(run, code, run_dir, traceback=not by_watcher)
+    assert took < LOST_CLUSTER_BOUND_S, f"exited {took:.0f} s after the kill:\n{err[-4000:]}"
+    stopped = re.search(r"ppo-driver: stopped at step (\d+): (.*)", err)
+    assert stopped is not None and int(stopped.group(1)) >= 2, err[-4000:]
+    assert f"the Ray cluster's head ({address}) does not answer" in stopped.group(2), err[-4000:]
+    latest = find_latest(run_dir / "checkpoints")
+    assert latest is not None
+    assert f"last complete checkpoint: {latest} ({checkpoint_step(latest)} step(s) done)" in err
+    assert "will be re-dispatched" not in err, err[-4000:]
+    assert "Failed to connect to GCS" not in err, err[-4000:]
+    how = "reported by the watcher" if by_watcher else "reported by the driver"
+    print(f"exited {took:.1f} s after the head was killed ({how}); {stopped.group(0)}")

@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import struct
 from collections.abc import Callable, Mapping
@@ -40,6 +39,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ._latest import _PARTIAL, _complete, _name, checkpoint_step, complete_checkpoints, find_latest
 
 __all__ = [
     "MANIFEST",
@@ -56,8 +57,6 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_PARTIAL = ".partial"
-_COMPLETE_NAME = re.compile(r"step_(\d+)")
 MANIFEST = "manifest.json"
 """Written last inside each checkpoint: ``{"files": {relative path: {"bytes", "sha256"}}}``."""
 
@@ -76,10 +75,6 @@ class CheckpointData:
     step: int
     state: dict[str, Any]
     tensors: dict[str, torch.Tensor]
-
-
-def _name(step: int) -> str:
-    return f"step_{step:06d}"
 
 
 def _fsync_tree(root: Path) -> None:
@@ -171,46 +166,12 @@ def save_checkpoint(
     return final
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The step of a complete checkpoint directory's name (``step_000005`` -> 5), else None."""
-    match = _COMPLETE_NAME.fullmatch(path.name)
-    return int(match.group(1)) if match else None
-
-
-def _complete(root: Path) -> list[Path]:
-    out = [p for p in root.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None]
-    return sorted(out, key=lambda p: checkpoint_step(p) or 0)
-
-
-def complete_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
-    """The complete (renamed) checkpoints, oldest first; their files are not verified."""
-    root = Path(checkpoints_dir)
-    return [p for p in _complete(root) if (p / "driver.json").exists()] if root.is_dir() else []
-
-
 def _prune(root: Path, *, keep: int) -> None:
     for stale in root.glob(f"step_*{_PARTIAL}"):
         shutil.rmtree(stale, ignore_errors=True)
     done = _complete(root)
     for old in done[: max(0, len(done) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def find_latest(checkpoints_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (``latest`` if valid, else the highest step)."""
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return None
-    pointer = root / "latest"
-    try:
-        name = pointer.read_text().strip() if pointer.is_file() else ""
-    except (OSError, UnicodeDecodeError):
-        name = ""  # an unreadable pointer: fall back to the highest complete step
-    candidate = root / name
-    if name and checkpoint_step(candidate) is not None and (candidate / "driver.json").exists():
-        return candidate
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
 
 
 def load_checkpoint(path: str | Path) -> CheckpointData:

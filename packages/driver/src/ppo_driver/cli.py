@@ -15,6 +15,11 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ppo_driver._watch import AbruptEndWatch
+    from ppo_driver.config import DriverConfig
 
 __all__ = ["main"]
 
@@ -131,13 +136,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in report.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 1
+    run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
+    if args.no_progress:
+        cfg.run.progress = False
+    watch = _watch_for_abrupt_end(cfg.cluster.address, run_dir, _resume_command(args, run_dir))
+    try:
+        return _train(cfg, args, run_dir, watch)
+    finally:
+        if watch is not None:
+            watch.done()
+
+
+def _watch_for_abrupt_end(address: str | None, run_dir: Path, resume: str) -> AbruptEndWatch | None:
+    """On a joined cluster at ``host:port``, the watcher that reports the end Ray gives a
+    driver whose node lost its raylet (:mod:`ppo_driver._watch`)."""
+    if address is None or ":" not in address:
+        return None
+    from ppo_driver._watch import AbruptEndWatch
+
+    return AbruptEndWatch(address=address, run_dir=run_dir, resume_command=resume)
+
+
+def _train(cfg: DriverConfig, args: argparse.Namespace, run_dir: Path,
+           watch: AbruptEndWatch | None) -> int:  # fmt: skip
     from ppo_driver.pump import InjectedFailure, NonFiniteError
     from ppo_driver.rollout import RewardFailure
     from ppo_driver.run import RunFailed, RunStopped, StartupError, last_checkpoint_note, train
 
-    run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
-    if args.no_progress:
-        cfg.run.progress = False
     try:
         result = train(cfg, run_dir=run_dir, resume=args.resume, overwrite=args.overwrite)
     except StartupError as exc:
@@ -166,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(last_checkpoint_note(run_dir))
         _say(f"to continue: {_resume_command(args, run_dir)}")
         if exc.cluster_lost:  # Ray's client cannot disconnect from a cluster that is gone
+            if watch is not None:
+                watch.done()
             sys.stdout.flush()
             os._exit(1)
         return 1
@@ -173,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A crash drill: train() has already run its clean-up (workers, Ray, trace); what
         # the drill tests is that no half-written checkpoint is ever taken as the latest.
         _say(str(exc))
+        if watch is not None:
+            watch.done()
         os._exit(3)
     return 0 if result.completed_steps >= cfg.run.num_steps else 1
 

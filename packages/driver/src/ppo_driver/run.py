@@ -46,6 +46,7 @@ from ppo_sampler import Sampler, make_sampler
 from ppo_trainer import ActorWorker, CriticWorker, ModelSpec, save_hf_checkpoint
 from transformers import AutoTokenizer
 
+from ppo_driver._latest import last_checkpoint_note
 from ppo_driver.checkpoint import (
     CheckpointDamaged,
     checkpoint_step,
@@ -639,21 +640,6 @@ def _check_resume_config(
         )
 
 
-def last_checkpoint_note(run_dir: str | Path) -> str:
-    """Where a stopped run can be continued from, for the user."""
-    run_dir = Path(run_dir)
-    ckpt_dir = run_dir / "checkpoints"
-    if ckpt_dir.exists() and not ckpt_dir.is_dir():
-        return (
-            f"{ckpt_dir} is not a directory: no checkpoint can be found there (put the "
-            "checkpoints directory back before --resume)"
-        )
-    latest = find_latest(ckpt_dir)
-    if latest is None:
-        return f"no checkpoint was written in {run_dir}: --resume would start from step 0"
-    return f"last complete checkpoint: {latest} ({checkpoint_step(latest)} step(s) done)"
-
-
 # ------------------------------------------------------------------- signals
 
 
@@ -908,15 +894,26 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+def _from_ray(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ray error or was raised from one (a :class:`WorkerLost`
+    wraps the ``RayActorError`` of a dead rank, which a lost cluster also causes)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ray.exceptions.RayError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _fault(
     exc: Exception, built: _Built | None, *, run_dir: Path, cluster_lost: threading.Event
 ) -> RunFailed:
     """A fault during the run as :class:`RunFailed`; its traceback goes to ``train.log``
-    (not the terminal). A Ray error while the cluster's GCS does not answer is a lost
-    cluster: the teardown then skips what would wait for it."""
-    lost = isinstance(exc, ClusterLost) or (
-        isinstance(exc, ray.exceptions.RayError) and not cluster_reachable()
-    )
+    (not the terminal). A Ray error (or one raised from it) while the cluster's GCS does
+    not answer is a lost cluster: the teardown then skips what would wait for it."""
+    lost = isinstance(exc, ClusterLost) or (_from_ray(exc) and not cluster_reachable())
     what = describe_fault(exc)
     if lost:
         cluster_lost.set()

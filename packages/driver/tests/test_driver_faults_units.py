@@ -1,0 +1,117 @@
+"""The parts of the lost-cluster handling (issue 26 item 2) that need no cluster: which
+faults are checked against the GCS, and the watcher of an abrupt end (a real process
+reading a real pipe, a real port that refuses or accepts)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import ray
+from ppo_driver.run import _from_ray
+from ppo_driver.workers import WorkerLost
+
+
+def _raised_from(exc: BaseException, cause: BaseException) -> BaseException:
+    try:
+        raise exc from cause
+    except BaseException as raised:
+        return raised
+
+
+@pytest.mark.parametrize(
+    ("exc", "want"),
+    [
+        pytest.param(ray.exceptions.RayActorError(), True, id="ray-actor-error"),
+        pytest.param(
+            _raised_from(
+                WorkerLost("actor", 0, 12, "127.0.0.1", "ActorUnavailableError"),
+                ray.exceptions.ActorUnavailableError("gone", None),
+            ),
+            True,
+            id="worker-lost-from-ray",
+        ),
+        pytest.param(OSError(28, "No space left on device"), False, id="os-error"),
+        pytest.param(
+            _raised_from(RuntimeError("wrapped"), ValueError("inner")), False, id="no-ray"
+        ),
+    ],
+)
+def test_faults_checked_against_the_gcs(exc: BaseException, want: bool) -> None:
+    assert _from_ray(exc) is want
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "step_000002").mkdir(parents=True)
+    (ckpts / "step_000002" / "driver.json").write_text("{}")
+    (ckpts / "latest").write_text("step_000002")
+    (ckpts / "step_000003.partial" / "actor").mkdir(parents=True)  # the lost workers'
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2))
+    )
+    (run_dir / "train.log").write_text("")
+    return run_dir
+
+
+@contextmanager
+def _port(*, listening: bool) -> Iterator[int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = int(sock.getsockname()[1])
+    if listening:
+        sock.listen()
+    else:
+        sock.close()  # nothing listens there: connections are refused
+    try:
+        yield port
+    finally:
+        sock.close()
+
+
+def _watch(port: int, run_dir: Path, said: bytes) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppo_driver._watch", f"127.0.0.1:{port}", str(run_dir),
+         f"ppo-driver train --run-dir {run_dir} --resume"],
+        input=said, capture_output=True, timeout=120, check=True,
+    )  # fmt: skip
+    return proc.stderr.decode()
+
+
+def test_the_watcher_reports_an_end_on_a_lost_cluster(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    with _port(listening=False) as port:
+        err = _watch(port, run_dir, b"")  # the driver ended without its own report
+    assert (
+        f"ppo-driver: stopped at step 3: the Ray cluster's head (127.0.0.1:{port}) does not answer"
+        in err
+    )
+    assert (
+        f"last complete checkpoint: {run_dir / 'checkpoints' / 'step_000002'} (2 step(s) done)"
+        in err
+    )
+    assert f"ppo-driver: to continue: ppo-driver train --run-dir {run_dir} --resume" in err
+    assert not (run_dir / "checkpoints" / "step_000003.partial").exists()
+    assert "(seen by the watcher)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("listening", "said"),
+    [
+        pytest.param(False, b"done\n", id="the-cli-reported-the-end"),
+        pytest.param(True, b"", id="the-cluster-answers"),
+    ],
+)
+def test_the_watcher_says_nothing_otherwise(tmp_path: Path, listening: bool, said: bytes) -> None:
+    run_dir = _run_dir(tmp_path)
+    with _port(listening=listening) as port:
+        assert _watch(port, run_dir, said) == ""
+    assert (run_dir / "checkpoints" / "step_000003.partial").exists()
+    assert (run_dir / "train.log").read_text() == ""
