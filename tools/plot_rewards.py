@@ -8,8 +8,8 @@ A dashed line marks 0.8. Prints each run's first-10 and last-10 step means.
 The README's plot (``docs/reward.png``), after the runs its README section gives:
 
     uv run --frozen python tools/plot_rewards.py --out docs/reward.png \\
-        runs/readme-streaming-s0=streaming runs/readme-streaming-s1=streaming \\
-        runs/readme-full-batch-s0=full-batch runs/readme-full-batch-s1=full-batch
+        runs/bench/task-default-s{0,1,2,3,4}=streaming \\
+        runs/bench/task-full-batch-s{0,1,2,3,4}=full-batch
 """
 
 from __future__ import annotations
