@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -59,6 +62,59 @@ TINY_MODELS = [
     )
 ]
 """Policy and critic of a few thousand parameters."""
+
+MEMORY_MODELS = [
+    f"{role}.{key}={value}"
+    for role in ("policy", "critic")
+    for key, value in (
+        ("hidden_size", 512),
+        ("intermediate_size", 1024),
+        ("num_hidden_layers", 4),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+    )
+]
+"""Policy and critic of ~12 M parameters each: their weights show in a process's RSS."""
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (``/proc/<pid>/statm``), bytes."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Samples the RSS of the registered processes (``pids``: name -> pid), one row per
+    tick: ``(time.monotonic(), {name: bytes})``; a tick where a process just exited is
+    skipped."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.pids: dict[str, int] = {}
+        self.rows: list[tuple[float, dict[str, int]]] = []
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            pids = dict(self.pids)
+            if pids:
+                try:
+                    row = {role: rss_bytes(pid) for role, pid in pids.items()}
+                except OSError:  # a worker that just exited
+                    row = {}
+                if row:
+                    self.rows.append((time.monotonic(), row))
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
 
 TINY_RUN = [
     "run.checkpoint_every=1",

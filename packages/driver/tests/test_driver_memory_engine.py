@@ -15,10 +15,7 @@ engine's process is found through its Ray handle; a thread samples its RSS
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +23,7 @@ from typing import Any
 
 import pytest
 import ray
+from driver_testlib import MEMORY_MODELS, RssSampler, rss_bytes
 from ppo_driver import run as run_module
 from ppo_driver.config import load_config
 from ppo_driver.workers import TrainGroup
@@ -34,7 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 #: The trainers' test's threshold (not tuned to this machine).
 RELEASED = 0.8
-PAGE = os.sysconf("SC_PAGE_SIZE")
 TRAINING = ("train_chunk", "finish_step")  # the actor's backward and update
 
 OVERRIDES = [
@@ -50,23 +47,8 @@ OVERRIDES = [
     "async_rl.min_groups_for_streaming_train=4",  # full batch (colocated)
     "async_rl.sampler.max_lookahead_versions=0",
     "rollout.max_new_tokens=6",
-    *(
-        f"{role}.{key}={value}"
-        for role in ("policy", "critic")
-        for key, value in (
-            ("hidden_size", 512),
-            ("intermediate_size", 1024),
-            ("num_hidden_layers", 4),
-            ("num_attention_heads", 8),
-            ("num_key_value_heads", 4),
-        )
-    ),
+    *MEMORY_MODELS,
 ]
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 # Ray's workers cannot import this test module: its functions travel by value.
@@ -76,32 +58,6 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def _weight_bytes(engine: Any) -> int:
     """The engine's parameter bytes (sizes: a released tensor keeps its shape)."""
     return sum(p.numel() * p.element_size() for p in engine.model.parameters())
-
-
-class _Sampler:
-    """Samples the engine's RSS every few milliseconds (time, bytes)."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        self.pid: int | None = None
-        self.rows: list[tuple[float, int]] = []
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if self.pid is not None:
-                with contextlib.suppress(OSError):  # the engine just exited
-                    self.rows.append((time.monotonic(), _rss(self.pid)))
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> _Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class _Timed:
@@ -123,14 +79,14 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """The engine (its handle and pid, its state when the actor is built) and the
     actor's calls (method, start, end)."""
     seen: dict[str, Any] = {"windows": [], "engines": []}
-    sampler = _Sampler()
+    sampler = RssSampler()
     seen["sampler"] = sampler
     original_launch = run_module._launch_engines
 
     def launch(*args: Any, **kwargs: Any) -> list[Any]:
         engines: list[Any] = original_launch(*args, **kwargs)
         seen["engines"] = engines
-        sampler.pid = int(ray.get(engines[0].health.remote()).extra["pid"])
+        sampler.pids["engine"] = int(ray.get(engines[0].health.remote()).extra["pid"])
         return engines
 
     class RecordedGroup(TrainGroup):
@@ -139,7 +95,7 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
                 (engine,) = seen["engines"]
                 seen["at_actor_build"] = (
                     ray.get(engine.health.remote()).memory_released,
-                    _rss(sampler.pid or 0),
+                    rss_bytes(sampler.pids["engine"]),
                 )
             super().build()
 
@@ -167,7 +123,7 @@ def test_colocated_engine_releases_its_memory_while_the_actor_trains(
         health = ray.get(engine.health.remote())
         after_step.update(
             released=health.memory_released,
-            rss=_rss(observed["sampler"].pid),
+            rss=rss_bytes(observed["sampler"].pids["engine"]),
             weights=ray.get(engine.__ray_call__.remote(_weight_bytes)),
         )
 
@@ -186,7 +142,7 @@ def test_colocated_engine_releases_its_memory_while_the_actor_trains(
     assert {m for m, _, _ in windows} == set(TRAINING), observed["windows"]
     rows = observed["sampler"].rows
     for method, t0, t1 in windows:
-        during = [rss for t, rss in rows if t0 <= t <= t1]
+        during = [row["engine"] for t, row in rows if t0 <= t <= t1]
         assert during, (method, t0, t1)
         print(
             f"actor {method}: engine RSS {max(during) / 2**20:.0f} MiB at most, "

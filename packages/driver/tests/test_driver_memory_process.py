@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 import ray
+from driver_testlib import MEMORY_MODELS, RssSampler, rss_bytes
 from ppo_driver import run as run_module
 from ppo_driver.config import load_config
 from ppo_driver.workers import TrainGroup
@@ -36,7 +36,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 #: The issue's threshold (not tuned to this machine).
 RELEASED = 0.8
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 OVERRIDES = [
     "run.num_steps=1",
@@ -49,23 +48,8 @@ OVERRIDES = [
     "async_rl.min_groups_for_streaming_train=2",  # streaming: the actor keeps gradients
     "async_rl.sampler.max_lookahead_versions=0",
     "rollout.max_new_tokens=6",
-    *(
-        f"{role}.{key}={value}"
-        for role in ("policy", "critic")
-        for key, value in (
-            ("hidden_size", 512),
-            ("intermediate_size", 1024),
-            ("num_hidden_layers", 4),
-            ("num_attention_heads", 8),
-            ("num_key_value_heads", 4),
-        )
-    ),
+    *MEMORY_MODELS,
 ]
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 # -- run in the worker processes (Ray's __ray_call__ hands them the _Host) --------------
@@ -101,42 +85,11 @@ def _on(group: TrainGroup, fn: Callable[[Any], Any]) -> Any:
     return ray.get(group.handles[0].__ray_call__.remote(fn))
 
 
-class _Sampler:
-    """Samples the RSS of the registered processes, all in one row per tick."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        self.pids: dict[str, int] = {}
-        self.rows: list[tuple[float, dict[str, int]]] = []
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            pids = dict(self.pids)
-            if pids:
-                try:
-                    row = {role: _rss(pid) for role, pid in pids.items()}
-                except OSError:  # a worker that just exited
-                    row = {}
-                if row:
-                    self.rows.append((time.monotonic(), row))
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> _Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.fixture
 def observed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Records the worker groups (with their pids) and the start-up window of a run."""
     seen: dict[str, Any] = {"groups": {}, "startup": None}
-    sampler = _Sampler()
+    sampler = RssSampler()
     seen["sampler"] = sampler
 
     class RecordedGroup(TrainGroup):
@@ -166,16 +119,16 @@ def _sleep_and_wake(group: TrainGroup, pid: int) -> dict[str, int]:
     allows) and leave it as the pump left it; RSS around each transition."""
     parts = _on(group, _asleep_parts)
     if parts:  # asleep (the actor between steps): wake, then back to the same parts
-        asleep = _rss(pid)
+        asleep = rss_bytes(pid)
         group.call("wake_up")
-        awake = _rss(pid)
+        awake = rss_bytes(pid)
         group.call("sleep", parts=parts)
-        return {"awake": awake, "asleep": asleep, "again": _rss(pid)}
-    awake = _rss(pid)  # resident (the critic between steps): sleep, then wake
+        return {"awake": awake, "asleep": asleep, "again": rss_bytes(pid)}
+    awake = rss_bytes(pid)  # resident (the critic between steps): sleep, then wake
     group.call("sleep", parts=ALL_PARTS)
-    asleep = _rss(pid)
+    asleep = rss_bytes(pid)
     group.call("wake_up")
-    return {"awake": awake, "asleep": asleep, "again": _rss(pid)}
+    return {"awake": awake, "asleep": asleep, "again": rss_bytes(pid)}
 
 
 def _one_step_measured(
