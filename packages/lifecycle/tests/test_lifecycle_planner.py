@@ -318,3 +318,16 @@ def test_executing_the_planner_matches_the_plan(
     copy.load_state_dict(planner.state_dict())
     assert copy.state_dict() == planner.state_dict()
     assert (copy.resident, copy.resident_parts) == (planner.resident, planner.resident_parts)
+
+
+def test_release_all_leaves_no_model_resident() -> None:
+    """``release_all``: the resident model sleeps with all its parts (taken as done),
+    nothing when none is resident, refused while the actor's gradients are pending."""
+    planner = ResidencyPlanner(resident=Role.CRITIC)
+    assert planner.release_all() == [Transition(Role.CRITIC, Action.SLEEP, ALL_PARTS)]
+    assert planner.resident is None and planner.resident_parts == frozenset()
+    assert planner.release_all() == []
+    planner.before(Phase.POLICY_BACKWARD)  # the actor wakes and accumulates gradients
+    with pytest.raises(ValueError, match="pending"):
+        planner.release_all()
+    assert planner.resident is Role.ACTOR

@@ -50,7 +50,6 @@ from typing import Any, Protocol
 
 import torch
 from ppo_lifecycle import (
-    ALL_PARTS,
     Action,
     CallPlan,
     Phase,
@@ -590,16 +589,8 @@ class TrainPump:
 
     def _trainers_asleep(self, step: int) -> None:
         """Colocated, between steps: the resident model (if any) sleeps with all its
-        parts, leaving the devices to the engines. The planner only ever leaves a model
-        resident (or none after a call's ``sleep_after``); it is told of this sleep
-        through its state (no gradients are pending between steps)."""
-        role = self.planner.resident
-        if role is None:
-            return
-        assert not self.planner.pending_gradients, self.planner
-        self._execute([Transition(role, Action.SLEEP, ALL_PARTS)], step)
-        state = self.planner.state_dict()
-        self.planner.load_state_dict({**state, "resident": None, "resident_parts": []})
+        parts (the planner's ``release_all``), leaving the devices to the engines."""
+        self._execute(self.planner.release_all(), step)
 
     def _call(
         self,

@@ -23,7 +23,7 @@ from ._planner import CallPlan, ResidencyPlanner
 from ._protocol import Offloadable
 from ._tensors import StorageAliasError, check_gradient_isolation
 
-__version__ = "0.3.1"
+__version__ = "0.3.2"
 
 __all__ = [
     "ALL_PARTS",

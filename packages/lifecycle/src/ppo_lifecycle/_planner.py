@@ -260,6 +260,24 @@ class ResidencyPlanner:
         self._state = trial
         return plan
 
+    def release_all(self) -> list[Transition]:
+        """The transitions that leave no model resident (the resident one sleeps with all
+        its parts), taken as done: the devices are then free for other work, e.g.
+        colocated generation. ``[]`` when none is resident.
+
+        Raises:
+            ValueError: the actor holds un-applied gradients (inside an update).
+        """
+        if self._state.pending_gradients:
+            raise ValueError("release_all() inside an update: the actor's gradients are pending")
+        trial = self._trial()
+        if trial.resident is None:
+            return []
+        out = [Transition(trial.resident, Action.SLEEP, ALL_PARTS)]
+        trial.take(out[0])
+        self._state = trial
+        return out
+
     # ------------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, object]:
         """JSON-friendly state: ``resident`` (``"actor"``, ``"critic"`` or ``None``),

@@ -658,8 +658,8 @@ class ActorWorker(_Lifecycle):
                 "train_epochs() with an open step: call finish_step() after the chunks first "
                 "(epoch 1's update), then train_epochs() for the others"
             )
-        kept = self._all_reduce_counts()
-        if kept["rows"] == 0:
+        (kept_rows,) = self._backend.all_reduce_sum([self._kept_counts["rows"]])
+        if kept_rows == 0:
             raise ValueError(
                 "train_epochs(): no chunk was kept on any rank; pass keep=True to every "
                 "train_chunk() of the step"
@@ -684,11 +684,6 @@ class ActorWorker(_Lifecycle):
         finally:
             self._drop_kept()
         return out
-
-    def _all_reduce_counts(self) -> dict[str, float]:
-        keys = ("tokens", "samples", "rows")
-        reduced = self._backend.all_reduce_sum([self._kept_counts[k] for k in keys])
-        return dict(zip(keys, reduced, strict=True))
 
     def _loss(
         self, logits: Tensor, mb: Batch, denominator: float, keep: bool = False
