@@ -51,13 +51,15 @@ class AbruptEndWatch:
             self._write_end = -1
 
 
-def _refuses(address: str) -> bool:
+def address_reachable(address: str, timeout_s: float = 5.0) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout_s`` (a stopped
+    head refuses at once). The one reachability check of the driver and this watcher."""
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=5.0).close()
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError:
-        return True
-    return False
+        return False
+    return True
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the driver handles them
         signal.signal(sig, signal.SIG_IGN)
     said = sys.stdin.buffer.read()
-    if b"done" not in said and _refuses(address):
+    if b"done" not in said and not address_reachable(address):
         _report(address, Path(run_dir), resume_command)
     return 0
 

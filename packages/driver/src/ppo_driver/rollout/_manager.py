@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ppo_driver._watch import address_reachable
 
 from ._buffer import ReplayBuffer, build_batch
 from ._task import PromptDataset, RewardError, RewardFailure, RewardFn, ScoredGroup, score_group
@@ -55,12 +56,7 @@ def cluster_reachable(timeout_s: float = 5.0) -> bool:
     """Whether the connected Ray cluster's GCS accepts a TCP connection: a stopped head
     refuses at once, a lost host within ``timeout_s``. Asks nothing of Ray itself (a
     driver whose GCS is gone blocks in Ray calls, then exits after 60 s)."""
-    host, _, port = gcs_address().rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
+    return address_reachable(gcs_address(), timeout_s)
 
 
 _FORMAT = 1
