@@ -11,11 +11,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import ray
-from ppo_driver.run import _from_ray
-from ppo_driver.workers import WorkerLost
+from ppo_driver.run import _from_ray, _name_the_worker, describe_fault
+from ppo_driver.workers import TrainGroup, WorkerLost
 
 
 def _raised_from(exc: BaseException, cause: BaseException) -> BaseException:
@@ -115,3 +117,40 @@ def test_the_watcher_says_nothing_otherwise(tmp_path: Path, listening: bool, sai
         assert _watch(port, run_dir, said) == ""
     assert (run_dir / "checkpoints" / "step_000003.partial").exists()
     assert (run_dir / "train.log").read_text() == ""
+
+
+class _Handle:
+    """What :meth:`TrainGroup.owns` reads of a Ray actor handle: its id."""
+
+    def __init__(self, hex_id: str) -> None:
+        self._actor_id = type("ActorID", (), {"hex": lambda _self: hex_id})()
+
+
+def _group(role: str, ids: list[str], pids: list[int]) -> Any:
+    group = object.__new__(TrainGroup)
+    group.role, group.handles = role, [_Handle(i) for i in ids]
+    group.processes = [(pid, "10.0.0.7") for pid in pids]
+    return group
+
+
+def test_a_dead_rank_seen_outside_its_group_is_named() -> None:
+    """A trainer rank that dies while the refit (which calls the actor's ranks directly,
+    not through ``TrainGroup.submit``) waits on it: the fault names the role, the rank and
+    its process as when a group call sees it. Before: ``ActorDiedError: The actor died
+    unexpectedly before finishing this task.``"""
+    built = SimpleNamespace(
+        actor=_group("actor", ["a0", "a1"], [101, 102]), critic=_group("critic", ["c0"], [201])
+    )
+    died = ray.exceptions.RayActorError(actor_id="a1", error_msg="died unexpectedly")
+    named = _name_the_worker(died, built)  # type: ignore[arg-type]
+    assert isinstance(named, WorkerLost)
+    assert describe_fault(named).startswith(
+        "WorkerLost: the actor worker (rank 1, pid 102 on 10.0.0.7) died (RayActorError)"
+    )
+    critic = ray.exceptions.RayActorError(actor_id="c0")
+    assert "the critic worker (rank 0, pid 201 on 10.0.0.7)" in str(_name_the_worker(critic, built))  # type: ignore[arg-type]
+    engine = ray.exceptions.RayActorError(actor_id="e0")  # an engine's: handled elsewhere
+    assert _name_the_worker(engine, built) is engine  # type: ignore[arg-type]
+    assert _name_the_worker(engine, None) is engine
+    other = OSError(28, "No space left on device")
+    assert _name_the_worker(other, built) is other  # type: ignore[arg-type]

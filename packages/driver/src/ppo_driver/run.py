@@ -907,6 +907,18 @@ def _from_ray(exc: BaseException) -> bool:
     return False
 
 
+def _name_the_worker(exc: Exception, built: _Built | None) -> Exception:
+    """``exc`` as the :class:`WorkerLost` of the trainer rank it is about, when a trainer
+    worker died and the call that saw it was not made through its group (the refit
+    calls the actor's ranks directly); otherwise ``exc``."""
+    if built is None or not isinstance(exc, ray.exceptions.RayActorError):
+        return exc
+    for group in (built.actor, built.critic):
+        if group.owns(exc):
+            return group.lost(exc)
+    return exc
+
+
 def _fault(
     exc: Exception, built: _Built | None, *, run_dir: Path, cluster_lost: threading.Event
 ) -> RunFailed:
@@ -914,7 +926,7 @@ def _fault(
     (not the terminal). A Ray error (or one raised from it) while the cluster's GCS does
     not answer is a lost cluster: the teardown then skips what would wait for it."""
     lost = isinstance(exc, ClusterLost) or (_from_ray(exc) and not cluster_reachable())
-    what = describe_fault(exc)
+    what = describe_fault(_name_the_worker(exc, built))
     if lost:
         cluster_lost.set()
         if not isinstance(exc, ClusterLost):

@@ -303,6 +303,11 @@ class TrainGroup:
             raise self.lost(exc) from exc
         self._dp_of, self.leaders = data_parallel_layout(self.meshes)
 
+    def owns(self, exc: ray.exceptions.RayActorError) -> bool:
+        """Whether ``exc`` is about one of this group's ranks (a call made on a rank's
+        handle outside :meth:`submit`, such as the refit's, raises Ray's error as is)."""
+        return exc.actor_id in {h._actor_id.hex() for h in self.handles}
+
     def lost(self, exc: ray.exceptions.RayActorError) -> WorkerLost:
         """``exc`` (a rank's actor died) as a :class:`WorkerLost` naming the rank."""
         ids = [h._actor_id.hex() for h in self.handles]
