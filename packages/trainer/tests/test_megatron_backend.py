@@ -31,7 +31,7 @@ from ppo_trainer import (  # noqa: E402
 )
 from ppo_trainer._torch_backend import build_causal_lm, build_value_model  # noqa: E402
 from ppo_trainer.megatron import _convert  # noqa: E402
-from ppo_trainer.megatron._backend import _layout  # noqa: E402
+from ppo_trainer.megatron._build import _layout  # noqa: E402
 from trainer_testlib import (  # noqa: E402
     adam_step_bound,
     assert_within,

@@ -202,7 +202,7 @@ def single() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def layouts() -> dict[str, Any]:
     """The megatron layouts of the actor and the critic (for the HF names of gradients)."""
-    from ppo_trainer.megatron._backend import _layout
+    from ppo_trainer.megatron._build import _layout
 
     return {
         "actor": _layout(build_causal_lm(SPEC).config, te=False, critic=False),
