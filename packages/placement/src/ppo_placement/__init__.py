@@ -8,16 +8,9 @@ and ``join_ray`` import Ray when called.
 
 from ppo_placement._layout import Layout, check_streaming_layout, placement_layout
 from ppo_placement._placement import Bundle, RoleView, SharedPlacement, Slot
-from ppo_placement._ray_start import (
-    LocalRay,
-    RayJoinError,
-    RayStartError,
-    apply_local_ray_env,
-    join_ray,
-    parse_cluster_address,
-    shutdown_local_ray,
-    start_local_ray,
-)
+from ppo_placement._ray_env import apply_local_ray_env
+from ppo_placement._ray_join import RayJoinError, join_ray, parse_cluster_address
+from ppo_placement._ray_start import LocalRay, RayStartError, shutdown_local_ray, start_local_ray
 
 __version__ = "0.2.0"
 
