@@ -201,8 +201,8 @@ class ActorWorker(WorkerBase):
         given = _ChunkLogprobs(old_logprobs, ref_logprobs, engine_logprobs)
         mask = self._open_chunk(batch, advantages, given, loss_denominator, keep=keep)
         tokens, samples = valid_counts(mask)
-        summed = None
-        if tokens > 0:
+        summed = None  # a chunk without a valid token runs nothing
+        if tokens != 0:
             mbs = self._chunk_micro_batches(batch, mask, advantages, given)
             summed = self._chunk_backward(mbs, tokens=tokens, samples=samples, keep=keep)
         engine = engine_logprobs is not None
