@@ -6,7 +6,15 @@
 and ``join_ray`` import Ray when called.
 """
 
-from ppo_placement._layout import Layout, check_streaming_layout, placement_layout
+from ppo_placement._layout import (
+    Layout,
+    LayoutError,
+    LayoutProblem,
+    check_streaming_layout,
+    layout_problems,
+    placement_layout,
+    streaming_layout_problems,
+)
 from ppo_placement._placement import Bundle, RoleView, SharedPlacement, Slot
 from ppo_placement._ray_start import (
     LocalRay,
@@ -24,6 +32,8 @@ __version__ = "0.2.0"
 __all__ = [
     "Bundle",
     "Layout",
+    "LayoutError",
+    "LayoutProblem",
     "LocalRay",
     "RayJoinError",
     "RayStartError",
@@ -34,8 +44,10 @@ __all__ = [
     "apply_local_ray_env",
     "check_streaming_layout",
     "join_ray",
+    "layout_problems",
     "parse_cluster_address",
     "placement_layout",
     "shutdown_local_ray",
     "start_local_ray",
+    "streaming_layout_problems",
 ]
