@@ -8,9 +8,10 @@ can report them all at once. Each problem names the key, the value and the fix.
 The packages' typed configs are built HERE, once, from a :class:`DriverConfig`:
 :func:`trainer_configs` (``ppo_trainer.ActorConfig`` / ``CriticConfig``, with the Megatron
 ``backend_options``), :func:`sampler_config` (``ppo_sampler.SamplerConfig``) and
-:func:`cluster_layout` (``ppo_placement.Layout``). :func:`validate` builds the very same
-objects and reports each of their field errors under the YAML key it came from; the
-driver itself only checks the keys no package reads and the rules that span packages.
+:func:`cluster_layout` (``ppo_placement.Layout``). :func:`validate` asks the packages'
+``problems`` for the very same field values and maps each refused field to its YAML key
+by table; the driver itself only checks the keys no package reads and the rules that
+span packages.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import functools
 import inspect
 import json
 import math
-import re
 import types
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -32,15 +32,25 @@ from typing import Any, Literal, TypeVar
 
 import transformers
 import yaml
-from ppo_placement import Layout, SharedPlacement, check_streaming_layout, placement_layout
+from ppo_placement import (
+    Layout,
+    check_streaming_layout,
+    cluster_address_problem,
+    layout_problems,
+    placement_layout,
+    streaming_layout_problems,
+)
 from ppo_sampler import SamplerConfig, group_alignment, single_chunk_only
 from ppo_trainer import (
     OFFLOAD_BACKENDS,
     ActorConfig,
     CriticConfig,
     ModelSpec,
+    data_parallel_size,
     get_backend,
-    resolve_offload_backend,
+    memory_saver_problem,
+    mesh_problems,
+    option_problems,
 )
 
 __all__ = [
@@ -296,20 +306,12 @@ class DriverConfig:
         """
         tp, pp = self.model_parallel_sizes(role)
         gpus = self.cluster.actor_gpus
-        section = "critic" if role == "critic" else "policy"
         if gpus < 1:
             raise ValueError(f"cluster.actor_gpus={gpus} is invalid: use at least 1")
-        if tp < 1 or pp < 1:
-            raise ValueError(
-                f"{section}.megatron_cfg tensor x pipeline parallel sizes {tp} x {pp} are "
-                "invalid: use positive integers"
-            )
-        if gpus % (tp * pp):
-            raise ValueError(
-                f"{section}.megatron_cfg.tensor_model_parallel_size={tp} x "
-                f"pipeline_model_parallel_size={pp} does not divide cluster.actor_gpus={gpus}"
-            )
-        return gpus // (tp * pp)
+        prefix = f"{'critic' if role == 'critic' else 'policy'}.megatron_cfg"
+        return data_parallel_size(
+            world_size=gpus, tp=tp, pp=pp, prefix=prefix, world_key="cluster.actor_gpus"
+        )
 
     @property
     def group_alignment(self) -> int:
@@ -638,9 +640,6 @@ def load_config(
 
 ROLES: tuple[Role, Role] = ("policy", "critic")
 MEGATRON_EXTRA = "ppo-trainer[megatron]"
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-"""megatron-core's FP8 recipes the trainer can build (``custom`` needs a quantizer
-factory it does not pass); ``fp8_recipe: null`` means ``delayed``."""
 
 # Fields of ppo_trainer's configs and the driver keys they come from.
 _TRAIN_FIELDS = {
@@ -823,14 +822,14 @@ def cluster_layout(cfg: DriverConfig) -> Layout:
 def validate(cfg: DriverConfig) -> ValidationReport:
     """Every value the trainer, the sampler, the placement or the engines would refuse.
 
-    Builds the packages' own typed configs from ``cfg`` (``ppo_sampler.SamplerConfig``,
-    ``ppo_trainer.ModelSpec`` / ``ActorConfig`` / ``CriticConfig``, the Megatron options
-    of ``ppo_trainer.megatron.parse_options`` when that backend is on, and
-    ``ppo_placement.placement_layout`` / ``SharedPlacement``) and reports each field they
-    refuse under the YAML key it came from. The driver adds the keys no package reads
-    and the rules across packages: the streaming rules of the document, the mesh
-    (``tp * pp`` divides ``cluster.actor_gpus``, the model's heads and layers, one layout
-    for both models), group alignment over each model's data-parallel size, the
+    Asks each package's own rules, as data, with the values ``train`` builds its configs
+    from (``ppo_sampler.SamplerConfig.problems``, ``ppo_trainer.ModelSpec`` /
+    ``ActorConfig`` / ``CriticConfig.problems``, ``ppo_trainer.option_problems`` and
+    ``mesh_problems`` for the Megatron backend, ``ppo_placement.layout_problems``) and
+    reports each refused field under the YAML key the tables (:data:`SAMPLER_KEYS`,
+    :func:`trainer_keys`, :data:`LAYOUT_KEYS`) map it to. The driver adds the keys no
+    package reads and the rules across packages: the streaming rules of the document, one
+    layout for both models, group alignment over each model's data-parallel size, the
     optional extras, the model / data files and the reward function (imported here).
     Runs before Ray starts and returns all problems at once; never raises.
     """
@@ -975,193 +974,109 @@ def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
 
 # --------------------------------------------------------------------------- the packages' checks
 
-# The key a package names first in its ValueError (``actor.dual_clip=0.5 is invalid: ...``).
-_PACKAGE_KEY = re.compile(r"([A-Za-z_][\w.]*)")
+
+class _PackageProblem(typing.Protocol):
+    """What every package's problem record carries (``SamplerProblem``,
+    ``LayoutProblem``, ``TrainerProblem``, ``MegatronProblem``): the package's own field
+    name, the value, what is wrong and the fix."""
+
+    @property
+    def field(self) -> str: ...
+    @property
+    def value(self) -> object: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def fix(self) -> str: ...
 
 
-def _lookup(cfg: DriverConfig, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part, None)
-    return node
+# YAML key of each package field (the packages name fields their own way). A field
+# missing from its table is one YAML cannot set; it is reported under ``<section>.<field>``.
+SAMPLER_KEYS = {
+    "num_prompts_per_step": "ppo.num_prompts_per_step",
+    "min_groups_for_streaming_train": "async_rl.min_groups_for_streaming_train",
+    "name": "async_rl.sampler.name",
+    "max_lookahead_versions": "async_rl.sampler.max_lookahead_versions",
+    "max_staleness_versions": "async_rl.sampler.max_staleness_versions",
+    "evict_stale": "async_rl.sampler.evict_stale",
+    "deterministic_chunks": "async_rl.deterministic_chunks",
+}
+LAYOUT_KEYS = {name: f"cluster.{name}" for name in ("actor_gpus", "rollout_gpus", "colocate")}
+# Fixes in YAML terms where the package's own names parameters YAML does not have.
+_GPUS_FIX = "set cluster.{0} to at least 1 ({1})"
+LAYOUT_FIXES = {
+    "cluster.actor_gpus": _GPUS_FIX.format("actor_gpus", "actor and critic share them"),
+    "cluster.rollout_gpus": _GPUS_FIX.format(
+        "rollout_gpus",
+        "the generation engines' GPUs; with cluster.colocate=true, full-batch mode "
+        "only, they time-share the training GPUs",
+    ),
+}
 
 
-def _split_fix(text: str) -> tuple[str, str | None]:
-    """A package's message as (what is wrong, its fix): ``... is invalid: <fix>`` or
-    ``...: why; <fix>``."""
-    if "; " in text:
-        head, _, fix = text.rpartition("; ")
-        return head, fix
-    if ": " in text:
-        head, _, fix = text.partition(": ")
-        return head, fix
-    return text, None
+def trainer_keys(role: Role) -> dict[str, str]:
+    """YAML key of each ``ModelSpec`` / ``ActorConfig`` / ``CriticConfig`` field of ``role``."""
+    section = _section(role)
+    keys = {name: f"{section}.{name}" for name in _MODEL_FIELDS}
+    keys |= {field: f"{section}.{name}" for field, name in _TRAIN_FIELDS.items()}
+    ppo = _ACTOR_PPO_FIELDS if role != "critic" else _CRITIC_PPO_FIELDS
+    keys |= {name: f"ppo.{name}" for name in ("loss_agg", *ppo)}
+    return keys
 
 
-def _build_typed(
+def _report(
     r: ValidationReport,
-    cfg: DriverConfig,
-    *,
     who: str,
-    build: Callable[..., T],
-    kwargs: Mapping[str, Any],
-    keys: Mapping[str, tuple[str, str]],
-    fallback: Mapping[str, Any],
+    problems: Iterable[_PackageProblem],
+    keys: Mapping[str, str],
     section: str,
     fixes: Mapping[str, str] | None = None,
-    rename: tuple[str, str] = ("", ""),
-) -> T | None:
-    """``build(**kwargs)`` (a package's typed config), each refused field reported
-    under its YAML key.
-
-    ``keys`` maps the key the package names in its ``ValueError`` to ``(keyword
-    argument, YAML key)``; a key it does not list (one YAML cannot set: a mapping bug)
-    is reported as ``<section>.<name>``. ``rename`` rewrites the package's prefix in its
-    messages (``model.`` -> ``policy.``). A package raises on its first problem: that
-    argument is reset to the accepted ``fallback`` value and the build retried, so that
-    every refused field shows at once (a field of a nested mapping argument is reset
-    alone). Returns the object built in the end (refused
-    fields replaced by their fallback, so later checks judge the rest), or None when it
-    could not be built.
-    """
-    current = dict(kwargs)
-    retried: set[str] = set()
-    while True:
-        try:
-            return build(**current)
-        except ValueError as exc:
-            text = " ".join(str(exc).split())
-            if rename[0]:
-                text = text.replace(*rename)
-            match = _PACKAGE_KEY.match(text)
-            name = match.group(1) if match else ""
-            arg, key = keys.get(name, ("", ""))
-            if not key:
-                key = name if name.startswith(f"{section}.") else f"{section}.{name.split('.')[-1]}"
-            _add_package_problem(r, cfg, key, who, text, (fixes or {}).get(key))
-            if not arg or key in retried or arg not in fallback:
-                return None
-            retried.add(key)
-            value, sub = current[arg], key.rsplit(".", 1)[-1]
-            if isinstance(value, Mapping) and isinstance(fallback[arg], Mapping) and sub in value:
-                # one field of a nested mapping (``optimizer.*``): reset only that one, so
-                # the mapping's other fields are still judged
-                current[arg] = {**value, sub: fallback[arg].get(sub)}
-            else:
-                current[arg] = fallback[arg]
-
-
-def _add_package_problem(
-    r: ValidationReport, cfg: DriverConfig, key: str, who: str, text: str, fix: str | None
 ) -> None:
-    if any(p.key == key for p in r.errors):
-        return  # reported already (e.g. non-finite, or the same ppo key by both models)
-    head, own_fix = _split_fix(text)
-    value = _lookup(cfg, key)
-    r.errors.append(
-        ConfigProblem(
-            key,
-            value,
-            f"{who} refuses it ({head})",
-            fix or own_fix or f"change {key}",
+    """Each package problem under the YAML key ``keys`` maps its field to (``who``: the
+    error's wording, ``{}`` the package's message); a key reported already (non-finite,
+    or a ``ppo`` key refused by both models) is not repeated."""
+    for p in problems:
+        key = keys.get(p.field, f"{section}.{p.field}")
+        warning = getattr(p, "severity", "error") == "warning"
+        into = r.warnings if warning else r.errors
+        if any(q.key == key for q in into):
+            continue
+        fix = (fixes or {}).get(key, p.fix)
+        into.append(
+            ConfigProblem(key, p.value, who.format(p.message), fix)
+            if not warning
+            else ConfigProblem(key, p.value, p.message, fix, severity="warning")
         )
-    )
 
 
 def _check_sampler(r: ValidationReport, cfg: DriverConfig) -> None:
     """``ppo_sampler.SamplerConfig``: the batch, the readiness minimum, the sampler."""
-    keys = {
-        key: (name, key)
-        for name, key in (
-            ("num_prompts_per_step", "ppo.num_prompts_per_step"),
-            ("min_groups_for_streaming_train", "async_rl.min_groups_for_streaming_train"),
-            ("name", "async_rl.sampler.name"),
-            ("max_lookahead_versions", "async_rl.sampler.max_lookahead_versions"),
-            ("max_staleness_versions", "async_rl.sampler.max_staleness_versions"),
-            ("evict_stale", "async_rl.sampler.evict_stale"),
-            ("deterministic_chunks", "async_rl.deterministic_chunks"),
-        )
-    }
-    fallback = _sampler_kwargs(DriverConfig())
-    batch = cfg.batch_groups
-    if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
-        # a refused minimum is retried with one the batch accepts (the default 16 would
-        # exceed a batch below 16 and hide the other sampler keys' problems)
-        key = "min_groups_for_streaming_train"
-        fallback[key] = min(fallback[key], batch)
-    _build_typed(
-        r,
-        cfg,
-        who="ppo_sampler.SamplerConfig",
-        build=SamplerConfig,
-        kwargs=_sampler_kwargs(cfg),
-        keys=keys,
-        fallback=fallback,
-        section="async_rl.sampler",
-        fixes={
-            "ppo.num_prompts_per_step": "set ppo.num_prompts_per_step to 1 or more",
-            "async_rl.sampler.max_lookahead_versions": "set it to 0 or more",
-            "async_rl.sampler.max_staleness_versions": "set it to 0 or more",
-        },
+    problems = SamplerConfig.problems(**_sampler_kwargs(cfg))
+    _report(
+        r, "ppo_sampler.SamplerConfig refuses it ({})", problems, SAMPLER_KEYS, "async_rl.sampler"
     )
-
-
-def _trainer_keys(
-    prefix: str, section: str, ppo_fields: Sequence[str]
-) -> dict[str, tuple[str, str]]:
-    """``actor.lr`` -> ``("lr", "policy.lr")``, ``actor.eps_clip`` -> ``ppo.eps_clip`` ..."""
-    keys = {f"{prefix}.{arg}": (arg, f"{section}.{name}") for arg, name in _TRAIN_FIELDS.items()}
-    for name in ("loss_agg", *ppo_fields):
-        keys[f"{prefix}.{name}"] = (name, f"ppo.{name}")
-    return keys
 
 
 def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
     """``ppo_trainer``'s ``ModelSpec``, ``ActorConfig`` and ``CriticConfig``: the very
-    objects ``train`` builds (:func:`trainer_configs`), field errors by YAML key."""
+    fields ``train`` builds them from (:func:`trainer_configs`), problems by YAML key."""
     vocab = _builtin_vocab_size()
-    default = DriverConfig()
-    specs: dict[Role, ModelSpec] = {}
     for role in ROLES:
-        section = _section(role)
-        ok_kwargs = _model_spec_kwargs(ModelConfig(), vocab_size=vocab, seed=0)
-        spec = _build_typed(
-            r,
-            cfg,
-            who="ppo_trainer.ModelSpec",
-            build=ModelSpec,
-            kwargs={
-                **_model_spec_kwargs(cfg.model(role), vocab_size=vocab, seed=_seed(cfg, role)),
-                "path": model_path(cfg, role),
-            },
-            keys={f"{section}.{name}": (name, f"{section}.{name}") for name in _MODEL_FIELDS},
-            fallback=ok_kwargs,
-            section=section,
-            rename=("model.", f"{section}."),
+        keys, section = trainer_keys(role), _section(role)
+        spec = _model_spec_kwargs(cfg.model(role), vocab_size=vocab, seed=_seed(cfg, role))
+        spec["path"] = model_path(cfg, role)
+        _report(
+            r, "ppo_trainer.ModelSpec refuses it ({})", ModelSpec.problems(**spec), keys, section
         )
-        specs[role] = spec or ModelSpec(**ok_kwargs)
-    per_rank = _samples_per_rank_or_guess(cfg, "policy")
-    _build_typed(
-        r,
-        cfg,
-        who="ppo_trainer.ActorConfig",
-        build=ActorConfig,
-        kwargs={"model": specs["policy"], **_actor_kwargs(cfg, samples_per_rank=per_rank)},
-        keys=_trainer_keys("actor", "policy", _ACTOR_PPO_FIELDS),
-        fallback=_actor_kwargs(default, samples_per_rank=1),
-        section="policy",
-    )
-    per_rank = _samples_per_rank_or_guess(cfg, "critic")
-    _build_typed(
-        r,
-        cfg,
-        who="ppo_trainer.CriticConfig",
-        build=CriticConfig,
-        kwargs={"model": specs["critic"], **_critic_kwargs(cfg, samples_per_rank=per_rank)},
-        keys=_trainer_keys("critic", "critic", _CRITIC_PPO_FIELDS),
-        fallback=_critic_kwargs(default, samples_per_rank=1),
-        section="critic",
-    )
+        per_rank = _samples_per_rank_or_guess(cfg, role)
+        if role == "critic":
+            problems = CriticConfig.problems(**_critic_kwargs(cfg, samples_per_rank=per_rank))
+        else:
+            problems = ActorConfig.problems(**_actor_kwargs(cfg, samples_per_rank=per_rank))
+        who = (
+            f"ppo_trainer.{'CriticConfig' if role == 'critic' else 'ActorConfig'} refuses it ({{}})"
+        )
+        _report(r, who, problems, keys, section)
 
 
 def _check_dtype(r: ValidationReport, cfg: DriverConfig) -> None:
@@ -1223,20 +1138,12 @@ def _check_offload_backend(r: ValidationReport, cfg: DriverConfig) -> None:
                     severity="warning",
                 )
             )
-        try:
-            resolve_offload_backend(
-                m.offload_backend,
-                device=device,
-                backend="megatron" if m.megatron_cfg.enabled else "torch",
-                key=key,
-            )
-        except ValueError as exc:
-            head, fix = _split_fix(" ".join(str(exc).split()))
-            r.errors.append(
-                ConfigProblem(
-                    key, m.offload_backend, head.removeprefix(f"{key}='memory_saver' "), fix or ""
-                )
-            )
+        if m.offload_backend not in ("memory_saver", "torch_memory_saver"):
+            continue  # auto, host_copy and none run everywhere
+        backend = "megatron" if m.megatron_cfg.enabled else "torch"
+        problem = memory_saver_problem(device=device, backend=backend, key=key)
+        if problem is not None:
+            r.errors.append(ConfigProblem(key, m.offload_backend, *problem))
 
 
 def _samples_per_rank_or_guess(cfg: DriverConfig, role: Role) -> int:
@@ -1260,44 +1167,26 @@ def _builtin_vocab_size() -> int:
 
 def _check_layout(r: ValidationReport, cfg: DriverConfig) -> None:
     """The bundle layout ``train`` reserves, as ppo_placement judges it; streaming needs
-    generation on its own devices (``check_streaming_layout``)."""
-    gpus = "set cluster.{0} to at least 1 ({1})"
-    layout = _build_typed(
+    generation on its own devices (``streaming_layout_problems``)."""
+    kwargs = _layout_kwargs(cfg)
+    problems = layout_problems(**kwargs)
+    _report(
         r,
-        cfg,
-        who="ppo_placement.placement_layout",
-        build=placement_layout,
-        kwargs=_layout_kwargs(cfg),
-        keys={name: (name, f"cluster.{name}") for name in _layout_kwargs(cfg)},
-        fallback=_layout_kwargs(DriverConfig()),
-        section="cluster",
-        fixes={
-            "cluster.actor_gpus": gpus.format("actor_gpus", "actor and critic share them"),
-            "cluster.rollout_gpus": gpus.format(
-                "rollout_gpus",
-                "the generation engines' GPUs; with cluster.colocate=true, full-batch mode "
-                "only, they time-share the training GPUs",
-            ),
-        },
+        "ppo_placement.placement_layout refuses it ({})",
+        problems,
+        LAYOUT_KEYS,
+        "cluster",
+        LAYOUT_FIXES,
     )
-    if layout is None:
+    if problems:
         return
-    try:
-        SharedPlacement(layout)  # its bundle and share checks (pure until create())
-    except ValueError as exc:
-        _add_package_problem(
-            r, cfg, "cluster.colocate", "ppo_placement.SharedPlacement", str(exc), None
-        )
-    try:
-        check_streaming_layout(layout, streaming=_streams(cfg))
-    except ValueError as exc:
-        exc_head = " ".join(str(exc).split()).split(" (layout:")[0]
+    for p in streaming_layout_problems(placement_layout(**kwargs), streaming=_streams(cfg)):
         r.errors.append(
             ConfigProblem(
-                "cluster.colocate",
+                LAYOUT_KEYS[p.field],
                 cfg.cluster.colocate,
                 f"{_streaming_why(cfg)}; streaming needs generation on its own devices "
-                f"(ppo_placement.check_streaming_layout refuses a colocated layout: {exc_head})",
+                f"(ppo_placement.check_streaming_layout refuses a colocated layout: {p.message})",
                 "set cluster.colocate=false and cluster.rollout_gpus >= 1, "
                 f"or async_rl.min_groups_for_streaming_train={cfg.batch_groups} for full-batch mode",
             )
@@ -1351,9 +1240,8 @@ def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> bool:
     mesh_ok = True
     for role in enabled:
         if why is None:
-            _check_megatron_options(r, cfg, role)
             _check_megatron_model(r, cfg, role)
-        _check_megatron_rules(r, cfg, role, parsed=why is None)
+        _check_megatron_options(r, cfg, role, te=None if why is not None else _te_available())
         mesh_ok &= _check_mesh(r, cfg, role)
     _check_megatron_pair(r, cfg)
     return mesh_ok
@@ -1453,112 +1341,28 @@ def _check_megatron_pair(r: ValidationReport, cfg: DriverConfig) -> None:
             )
 
 
-def _check_megatron_options(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
-    """``ppo_trainer.megatron.parse_options`` on the ``backend_options`` ``train`` passes,
-    then what the backend refuses at set-up (Transformer Engine for its layer spec)."""
-    from ppo_trainer.megatron import (  # lazy: the optional extra (megatron-core)
-        parse_options,
-        transformer_engine_available,
-    )
+def _te_available() -> bool:
+    from ppo_trainer.megatron import transformer_engine_available  # lazy: the extra
 
+    return transformer_engine_available()
+
+
+def _check_megatron_options(
+    r: ValidationReport, cfg: DriverConfig, role: Role, *, te: bool | None
+) -> None:
+    """``ppo_trainer.option_problems`` (the rules ``parse_options`` and the backend's
+    set-up apply) on the ``backend_options`` ``train`` passes; ``te``: whether Transformer
+    Engine is usable here (None: the extra is missing, reported already)."""
     p = f"{role}.megatron_cfg"
     options = _backend_options(cfg.model(role).megatron_cfg)
-    keys = {f"{p}.{name}": (name, f"{p}.{name}") for name in options}
-    for name in dataclasses.asdict(MegatronOptimizerCfg()):
-        keys[f"{p}.optimizer.{name}"] = ("optimizer", f"{p}.optimizer.{name}")
-
-    def parse(**opts: Any) -> Any:
-        return parse_options(opts, role=role)
-
-    parsed = _build_typed(
+    problems = option_problems(options, prefix=p, te_available=te)
+    _report(
         r,
-        cfg,
-        who="ppo_trainer.megatron.parse_options",
-        build=parse,
-        kwargs=options,
-        keys=keys,
-        fallback=_backend_options(MegatronCfg(enabled=True)),
-        section=p,
+        "not supported by the Megatron backend: {} (ppo_trainer.option_problems)",
+        problems,
+        {},
+        p,
     )
-    if parsed is None:
-        return
-    te = transformer_engine_available()
-    impl = parsed.transformer_impl
-    use_te = te if impl == "auto" else impl == "transformer_engine"
-    needs = "needs CUDA and the extra ppo-trainer[te]: not available on this machine"
-    if impl == "transformer_engine" and not te:
-        r.errors.append(
-            ConfigProblem(
-                f"{p}.transformer_impl",
-                impl,
-                f"the Transformer Engine layer spec {needs}",
-                f"install ppo-trainer[te] on a CUDA machine, or set {p}.transformer_impl=auto "
-                "(or local)",
-            )
-        )
-    elif parsed.fp8_param and not use_te:
-        why = (
-            f"which {needs}"
-            if impl == "auto"
-            else f"which {p}.transformer_impl={impl} does not use"
-        )
-        r.errors.append(
-            ConfigProblem(
-                f"{p}.fp8_param",
-                True,
-                f"FP8 parameters need the Transformer Engine layer spec, {why}",
-                f"install ppo-trainer[te] on a CUDA machine (transformer_impl auto or "
-                f"transformer_engine), or set {p}.fp8_param=false",
-            )
-        )
-
-
-def _check_megatron_rules(
-    r: ValidationReport, cfg: DriverConfig, role: Role, *, parsed: bool
-) -> None:
-    """What Megatron refuses only when it builds the model (the FP8 recipe), and, where
-    the option parser could not run (``parsed`` false: the extra is missing), the
-    ``overlap_param_gather`` rule it applies itself, so every problem is still named."""
-    mc = cfg.model(role).megatron_cfg
-    p = f"{role}.megatron_cfg"
-    if mc.optimizer.overlap_param_gather and not parsed:
-        if mc.optimizer.use_distributed_optimizer:
-            why = (
-                "not supported: the trainer runs the distributed optimizer's parameter "
-                "all-gather synchronously (parameters that sleep between chunks need it in "
-                "place)"
-            )
-            fix = f"set {p}.optimizer.overlap_param_gather=false"
-        else:
-            why = (
-                "the parameter all-gather it overlaps exists only with the distributed "
-                "optimizer (megatron-core silently ignores it otherwise; Megatron-LM "
-                "refuses the combination)"
-            )
-            fix = (
-                f"set {p}.optimizer.overlap_param_gather=false, or "
-                f"{p}.optimizer.use_distributed_optimizer=true"
-            )
-        r.errors.append(ConfigProblem(f"{p}.optimizer.overlap_param_gather", True, why, fix))
-    if mc.fp8_recipe is not None and mc.fp8_recipe.lower() not in FP8_RECIPES:
-        r.errors.append(
-            ConfigProblem(
-                f"{p}.fp8_recipe",
-                mc.fp8_recipe,
-                "unknown FP8 recipe (megatron-core refuses it when it builds the model)",
-                f"use one of {', '.join(FP8_RECIPES)} (null: delayed)",
-            )
-        )
-    elif mc.fp8_recipe is not None and not mc.fp8_param:
-        r.warnings.append(
-            ConfigProblem(
-                f"{p}.fp8_recipe",
-                mc.fp8_recipe,
-                f"has no effect while {p}.fp8_param is false",
-                f"set {p}.fp8_param=true for FP8 parameters, or remove {p}.fp8_recipe",
-                severity="warning",
-            )
-        )
 
 
 @dataclass(frozen=True)
@@ -1609,52 +1413,21 @@ def _check_mesh(r: ValidationReport, cfg: DriverConfig, role: Role) -> bool:
     p = f"{role}.megatron_cfg"
     tp, pp = cfg.model_parallel_sizes(role)
     gpus = cfg.cluster.actor_gpus
-    if tp < 1 or pp < 1 or gpus < 1:
-        return False  # reported by parse_options / placement_layout (or the missing extra)
-    tp_key, pp_key = f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size"
-    ok = True
-    if gpus % (tp * pp):
-        ok = False
-        r.errors.append(
-            ConfigProblem(
-                tp_key if tp > 1 else pp_key,
-                tp if tp > 1 else pp,
-                f"tensor x pipeline parallel = {tp} x {pp} = {tp * pp} ranks per model "
-                f"replica, which does not divide cluster.actor_gpus={gpus} (each model has one "
-                "rank per training GPU; data parallel = cluster.actor_gpus / (tensor x pipeline))",
-                f"choose {p}.tensor_model_parallel_size and pipeline_model_parallel_size whose "
-                f"product divides {gpus}, or set cluster.actor_gpus to a multiple of {tp * pp}",
-            )
-        )
-    shape = _model_shape(cfg, role)
-    if shape is None:
-        return ok
-    counts = (
-        ("attention heads", shape.heads),
-        ("key/value heads", shape.kv_heads),
-        ("vocabulary size", shape.vocab),
+    shape = _model_shape(cfg, role) if min(tp, pp) >= 1 else None
+    problems = mesh_problems(
+        world_size=gpus,
+        tp=tp,
+        pp=pp,
+        heads=None if shape is None else shape.heads,
+        kv_heads=None if shape is None else shape.kv_heads,
+        vocab=None if shape is None else shape.vocab,
+        layers=None if shape is None else shape.layers,
+        source="" if shape is None else shape.source,
+        prefix=p,
+        world_key="cluster.actor_gpus",
     )
-    bad = [f"{what} ({n})" for what, n in counts if n % tp]
-    if bad:
-        common = math.gcd(*(n for _, n in counts))
-        r.errors.append(
-            ConfigProblem(
-                tp_key,
-                tp,
-                f"must divide the model's {' and '.join(bad)} (from {shape.source})",
-                f"set {tp_key} to a common divisor of them (their greatest is {common})",
-            )
-        )
-    if shape.layers % pp:
-        r.errors.append(
-            ConfigProblem(
-                pp_key,
-                pp,
-                f"must divide the model's {shape.layers} layers (from {shape.source})",
-                f"set {pp_key} to a divisor of {shape.layers}",
-            )
-        )
-    return ok
+    _report(r, "the Megatron mesh: {} (ppo_trainer.mesh_problems)", problems, {}, p)
+    return min(tp, pp, gpus) >= 1 and gpus % (tp * pp) == 0
 
 
 # --------------------------------------------------------------------------- alignment
@@ -2154,8 +1927,6 @@ def _cuda_available() -> bool:
 
 def _check_cluster_address(r: ValidationReport, cfg: DriverConfig) -> None:
     """``cluster.address``: null (a local cluster), ``auto`` or ``host:port`` (join)."""
-    from ppo_placement import parse_cluster_address
-
     address = cfg.cluster.address
     if address is None:
         _check_local_cluster(r, cfg)
@@ -2171,17 +1942,12 @@ def _check_cluster_address(r: ValidationReport, cfg: DriverConfig) -> None:
                 severity="warning",
             )
         )
-    try:
-        parse_cluster_address(address)
-    except ValueError as exc:
-        head, fix = _split_fix(" ".join(str(exc).split()))
-        head = head.removeprefix(f"cluster address {address!r}").lstrip(": ")
+    problem = cluster_address_problem(address)
+    if problem is not None:
+        head, fix = problem
         r.errors.append(
             ConfigProblem(
-                "cluster.address",
-                address,
-                head,
-                f"{fix or 'fix it'}, or null to start a local cluster",
+                "cluster.address", address, head, f"{fix}, or null to start a local cluster"
             )
         )
     if cfg.cluster.num_cpus is not None:
