@@ -16,6 +16,7 @@ span packages.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -69,6 +70,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SamplerCfg",
+    "ValidConfig",
     "ValidationReport",
     "apply_overrides",
     "cluster_layout",
@@ -78,6 +80,7 @@ __all__ = [
     "sampler_config",
     "trainer_configs",
     "validate",
+    "validated",
 ]
 
 Role = Literal["policy", "actor", "critic"]
@@ -368,6 +371,8 @@ class ConfigError(ValueError):
 class ValidationReport:
     errors: list[ConfigProblem] = field(default_factory=list)
     warnings: list[ConfigProblem] = field(default_factory=list)
+    # A copy of the config validate() judged (None: a report built by hand).
+    judged: DriverConfig | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -376,6 +381,34 @@ class ValidationReport:
     def raise_if_errors(self) -> None:
         if self.errors:
             raise ConfigError(self.errors)
+
+    def valid(self) -> ValidConfig:
+        """The config this report accepted, as a :class:`ValidConfig` (what ``train``
+        takes); :class:`ConfigError` with every error when it has any."""
+        self.raise_if_errors()
+        if self.judged is None:
+            raise ValueError("this report was not made by validate(): call validate(cfg)")
+        return ValidConfig(copy.deepcopy(self.judged), tuple(self.warnings))
+
+
+@dataclass(frozen=True)
+class ValidConfig:
+    """A :class:`DriverConfig` that :func:`validate` accepted, and its warnings: what
+    ``ppo_driver.train`` runs. Made by :func:`validated` or ``ValidationReport.valid``
+    (from a copy taken when it was judged, so a later edit of the original cannot bypass
+    the checks); read its sections through ``.config``."""
+
+    config: DriverConfig
+    warnings: tuple[ConfigProblem, ...] = ()
+
+
+def validated(cfg: DriverConfig | ValidConfig) -> ValidConfig:
+    """``cfg`` validated: a :class:`ValidConfig` as it is, a :class:`DriverConfig` through
+    :func:`validate` (:class:`ConfigError` listing every error). The Python API's door:
+    ``train(DriverConfig(...))`` gets the same refusals as ``ppo-driver train``."""
+    if isinstance(cfg, ValidConfig):
+        return cfg
+    return validate(cfg).valid()
 
 
 # --------------------------------------------------------------------------- loading
@@ -833,7 +866,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     optional extras, the model / data files and the reward function (imported here).
     Runs before Ray starts and returns all problems at once; never raises.
     """
-    r = ValidationReport()
+    r = ValidationReport(judged=copy.deepcopy(cfg))
     r.errors.extend(_non_finite_problem(key, value) for key, value in _non_finite(cfg))
     _check_driver_ranges(r, cfg)
     _check_sampler(r, cfg)
