@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,37 @@ def test_minimum_that_can_split_or_full_batch_does_not_warn(minimum: int) -> Non
 def test_train_refuses_invalid_config_at_start(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "ppo.ppo_epochs=0"]) == 1
     assert "refusing to start" in capsys.readouterr().err
+
+
+def test_python_api_train_gets_the_cli_refusals_before_ray(tmp_path: Path) -> None:
+    # train(DriverConfig(...)) validates first: every problem, before the run directory,
+    # the lock or Ray exist (the same refusals as `ppo-driver train`).
+    import ray
+    from ppo_driver import train
+
+    cfg = DriverConfig()
+    cfg.ppo.ppo_epochs = 0
+    cfg.policy.lr = -1.0
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        train(cfg, run_dir=run_dir)
+    assert {p.key for p in info.value.problems} >= {"ppo.ppo_epochs", "policy.lr"}
+    assert not ray.is_initialized()
+    assert not run_dir.exists()
+
+
+def test_a_valid_config_is_a_frozen_copy_of_what_was_judged() -> None:
+    from ppo_driver.config import ValidConfig, validate, validated
+
+    cfg = DriverConfig()
+    valid = validated(cfg)
+    assert isinstance(valid, ValidConfig) and validated(valid) is valid
+    cfg.ppo.ppo_epochs = 0  # an edit after validation does not reach the validated copy
+    assert valid.config.ppo.ppo_epochs == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        valid.config = cfg  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"ppo\.ppo_epochs"):
+        validate(cfg).valid()
 
 
 # --------------------------------------------------------------------------- the mesh

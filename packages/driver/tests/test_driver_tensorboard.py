@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from driver_testlib import TINY_RUN
-from ppo_driver import config as config_mod
+from ppo_driver.config import engines as config_mod
 from ppo_driver.config import load_config
 from ppo_driver.metrics import TENSORBOARD_DIR, MetricsWriter, read_metrics
 

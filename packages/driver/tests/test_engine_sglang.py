@@ -573,7 +573,7 @@ def test_tiny_model_is_written_for_sglang(tmp_path: Path, fake_sglang: None) -> 
 def _engine_problems(
     monkeypatch: pytest.MonkeyPatch, *overrides: str, sglang: bool, cuda: bool
 ) -> list[Any]:
-    from ppo_driver import config as config_mod
+    from ppo_driver.config import engines as config_mod
     from ppo_driver.config import load_config
 
     real = config_mod._module_available
@@ -673,7 +673,7 @@ def _fake_msgspec(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 def _kwargs_problems(monkeypatch: pytest.MonkeyPatch, kwargs: str) -> list[Any]:
-    from ppo_driver import config as config_mod
+    from ppo_driver.config import engines as config_mod
 
     real = config_mod._module_available
     monkeypatch.setattr(

@@ -220,3 +220,22 @@ def test_layout_does_not_import_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_layout_problems_are_data_all_at_once() -> None:
+    from ppo_placement import LayoutError, layout_problems, streaming_layout_problems
+
+    problems = layout_problems(actor_gpus=0, rollout_gpus=-1, colocate=True, rollout_external=True)
+    assert [(p.field, p.value) for p in problems] == [
+        ("rollout_gpus", -1),
+        ("colocate", True),
+        ("actor_gpus", 0),
+    ]
+    assert all(p.message and p.fix for p in problems)
+    with pytest.raises(LayoutError) as info:
+        placement_layout(actor_gpus=0, rollout_gpus=-1, colocate=True, rollout_external=True)
+    assert info.value.problems == problems
+    assert layout_problems(actor_gpus=1, rollout_gpus=1) == []
+    colocated = placement_layout(actor_gpus=1, rollout_gpus=1, colocate=True)
+    assert [p.field for p in streaming_layout_problems(colocated, streaming=True)] == ["colocate"]
+    assert streaming_layout_problems(colocated, streaming=False) == []

@@ -424,3 +424,30 @@ def test_demo_runs_as_a_module() -> None:
 def test_demo_rejects_bad_polls() -> None:
     with pytest.raises(SystemExit):
         main(["--polls", "5,3,128"])
+
+
+def test_problems_lists_every_refused_field_without_building() -> None:
+    from ppo_sampler import SamplerConfigError
+
+    values: dict[str, Any] = {
+        "num_prompts_per_step": 16,
+        "min_groups_for_streaming_train": 17,
+        "name": "fifo",
+        "max_lookahead_versions": -1,
+        "max_staleness_versions": -2,
+        "evict_stale": "yes",
+    }
+    problems = SamplerConfig.problems(**values)
+    assert [p.field for p in problems] == [
+        "name",
+        "min_groups_for_streaming_train",
+        "max_lookahead_versions",
+        "max_staleness_versions",
+        "evict_stale",
+    ]
+    assert all(p.fix for p in problems)
+    assert problems[1].value == 17 and "exceeds ppo.num_prompts_per_step=16" in problems[1].message
+    with pytest.raises(SamplerConfigError) as info:
+        SamplerConfig(**values)
+    assert info.value.problems == problems
+    assert SamplerConfig.problems(num_prompts_per_step=16, min_groups_for_streaming_train=4) == []

@@ -17,10 +17,12 @@ _LAZY = {
     "ConfigError": "ppo_driver.config",
     "ConfigProblem": "ppo_driver.config",
     "DriverConfig": "ppo_driver.config",
+    "ValidConfig": "ppo_driver.config",
     "ValidationReport": "ppo_driver.config",
     "default_config_path": "ppo_driver.config",
     "load_config": "ppo_driver.config",
     "validate": "ppo_driver.config",
+    "validated": "ppo_driver.config",
     "ChunkGate": "ppo_driver.pump",
     "InjectedFailure": "ppo_driver.pump",
     "NonFiniteError": "ppo_driver.pump",
@@ -68,6 +70,7 @@ __all__ = [
     "TraceRecorder",
     "TrainGroup",
     "TrainPump",
+    "ValidConfig",
     "ValidationReport",
     "WorkerLost",
     "__version__",
@@ -79,6 +82,7 @@ __all__ = [
     "save_checkpoint",
     "train",
     "validate",
+    "validated",
     "verify_checkpoint",
 ]
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ppo_driver._watch import AbruptEndWatch
-    from ppo_driver.config import DriverConfig
+    from ppo_driver.config import ValidConfig
 
 __all__ = ["main"]
 
@@ -108,8 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # imported after parsing: `ppo-driver --help` answers without loading torch
     from ppo_driver.config import ConfigError, load_config
 
+    overrides = list(args.overrides)
+    if args.command != "validate" and args.no_progress:
+        overrides.append("run.progress=false")
     try:
-        cfg, report = load_config(args.config, args.overrides, check=False)
+        cfg, report = load_config(args.config, overrides, check=False)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -137,11 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return 1
     run_dir = args.run_dir or Path(cfg.run.output_dir) / cfg.run.name
-    if args.no_progress:
-        cfg.run.progress = False
     watch = _watch_for_abrupt_end(cfg.cluster.address, run_dir, _resume_command(args, run_dir))
     try:
-        return _train(cfg, args, run_dir, watch)
+        return _train(report.valid(), args, run_dir, watch)
     finally:
         if watch is not None:
             watch.done()
@@ -157,14 +158,14 @@ def _watch_for_abrupt_end(address: str | None, run_dir: Path, resume: str) -> Ab
     return AbruptEndWatch(address=address, run_dir=run_dir, resume_command=resume)
 
 
-def _train(cfg: DriverConfig, args: argparse.Namespace, run_dir: Path,
+def _train(valid: ValidConfig, args: argparse.Namespace, run_dir: Path,
            watch: AbruptEndWatch | None) -> int:  # fmt: skip
     from ppo_driver.pump import InjectedFailure, NonFiniteError
     from ppo_driver.rollout import RewardFailure
     from ppo_driver.run import RunFailed, RunStopped, StartupError, last_checkpoint_note, train
 
     try:
-        result = train(cfg, run_dir=run_dir, resume=args.resume, overwrite=args.overwrite)
+        result = train(valid, run_dir=run_dir, resume=args.resume, overwrite=args.overwrite)
     except StartupError as exc:
         _say(f"refusing to start: {exc}")
         return 1
@@ -203,7 +204,7 @@ def _train(cfg: DriverConfig, args: argparse.Namespace, run_dir: Path,
         if watch is not None:
             watch.done()
         os._exit(3)
-    return 0 if result.completed_steps >= cfg.run.num_steps else 1
+    return 0 if result.completed_steps >= valid.config.run.num_steps else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

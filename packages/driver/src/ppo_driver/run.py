@@ -61,12 +61,14 @@ from ppo_driver.checkpoint import (
 )
 from ppo_driver.config import (
     DriverConfig,
+    ValidConfig,
     cluster_layout,
     cuda_device_count,
     local_num_cpus,
     model_path,
     sampler_config,
     trainer_configs,
+    validated,
 )
 from ppo_driver.metrics import (
     TENSORBOARD_DIR,
@@ -706,7 +708,7 @@ class _SignalGuard:
 
 
 def train(
-    cfg: DriverConfig,
+    config: DriverConfig | ValidConfig,
     *,
     run_dir: str | Path,
     resume: bool = False,
@@ -730,8 +732,13 @@ def train(
     raises :class:`~ppo_driver.pump.InjectedFailure` at a named point: ``after_chunks``,
     ``after_policy_update``, ``before_critic``, ``after_step`` or ``checkpoint``.
     ``keep_ray`` leaves the Ray cluster up (tests share one per module).
+
+    ``config``: a :class:`~ppo_driver.config.ValidConfig`, or a ``DriverConfig`` that is
+    validated here first (:class:`~ppo_driver.config.ConfigError` with every problem,
+    before anything starts), so the Python API gets the CLI's refusals.
     """
     t_run = time.perf_counter()
+    cfg = validated(config).config
     fail_at = parse_fail_at(fail_at if fail_at is not None else os.environ.get(FAIL_ENV))
     if resume and overwrite:
         raise StartupError("--resume and --overwrite exclude each other: choose one")

@@ -6,10 +6,23 @@
 and ``join_ray`` import Ray when called.
 """
 
-from ppo_placement._layout import Layout, check_streaming_layout, placement_layout
+from ppo_placement._layout import (
+    Layout,
+    LayoutError,
+    LayoutProblem,
+    check_streaming_layout,
+    layout_problems,
+    placement_layout,
+    streaming_layout_problems,
+)
 from ppo_placement._placement import Bundle, RoleView, SharedPlacement, Slot
 from ppo_placement._ray_env import apply_local_ray_env
-from ppo_placement._ray_join import RayJoinError, join_ray, parse_cluster_address
+from ppo_placement._ray_join import (
+    RayJoinError,
+    cluster_address_problem,
+    join_ray,
+    parse_cluster_address,
+)
 from ppo_placement._ray_start import LocalRay, RayStartError, shutdown_local_ray, start_local_ray
 
 __version__ = "0.2.0"
@@ -17,6 +30,8 @@ __version__ = "0.2.0"
 __all__ = [
     "Bundle",
     "Layout",
+    "LayoutError",
+    "LayoutProblem",
     "LocalRay",
     "RayJoinError",
     "RayStartError",
@@ -26,9 +41,12 @@ __all__ = [
     "__version__",
     "apply_local_ray_env",
     "check_streaming_layout",
+    "cluster_address_problem",
     "join_ray",
+    "layout_problems",
     "parse_cluster_address",
     "placement_layout",
     "shutdown_local_ray",
     "start_local_ray",
+    "streaming_layout_problems",
 ]

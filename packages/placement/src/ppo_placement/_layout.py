@@ -8,7 +8,37 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Layout", "check_streaming_layout", "placement_layout"]
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "LayoutProblem",
+    "check_streaming_layout",
+    "layout_problems",
+    "placement_layout",
+    "streaming_layout_problems",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutProblem:
+    """One refused input of :func:`placement_layout` (``field``: its parameter name) or of
+    :func:`check_streaming_layout` (``field``: ``colocate``): the value, what is wrong, the fix."""
+
+    field: str
+    value: object
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}={self.value!r} {self.message}; {self.fix}"
+
+
+class LayoutError(ValueError):
+    """A layout refused, with EVERY problem in ``problems``."""
+
+    def __init__(self, problems: list[LayoutProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(map(str, self.problems)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,34 +113,16 @@ def placement_layout(
     Raises:
         ValueError: naming the contradictory or impossible inputs and the fix.
     """
-    for name, value in (("actor_gpus", actor_gpus), ("rollout_gpus", rollout_gpus)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name}={value!r} must be an int")
-        if value < 0:
-            raise ValueError(f"{name}={value} must be >= 0")
-    if train_only and rollout_only:
-        raise ValueError(
-            "train_only=True and rollout_only=True contradict each other: set at most one of them"
-        )
-    if colocate and rollout_external:
-        raise ValueError(
-            "colocate=True and rollout_external=True contradict each other: an external "
-            "rollout cannot share the training GPUs; set one of them to False"
-        )
-    trains = not rollout_only
-    if trains and actor_gpus == 0:
-        raise ValueError(
-            f"actor_gpus=0 but training is on (rollout_only={rollout_only}): "
-            "give the actor at least 1 GPU, or set rollout_only=True"
-        )
-    local_rollout = not train_only and not rollout_external
-    if local_rollout and rollout_gpus == 0:
-        raise ValueError(
-            f"rollout_gpus=0 but generation runs locally (train_only={train_only}, "
-            f"rollout_external={rollout_external}): give rollout at least 1 GPU, or set "
-            "rollout_external=True or train_only=True"
-        )
-
+    problems = layout_problems(
+        actor_gpus=actor_gpus,
+        rollout_gpus=rollout_gpus,
+        colocate=colocate,
+        rollout_external=rollout_external,
+        train_only=train_only,
+        rollout_only=rollout_only,
+    )
+    if problems:
+        raise LayoutError(problems)
     if train_only:
         return Layout(actor_gpus, 0, actor_gpus, 0, colocate=False)
     if rollout_external:
@@ -137,10 +149,83 @@ def check_streaming_layout(layout: Layout, *, streaming: bool) -> None:
     Raises:
         ValueError: ``streaming`` with a colocated layout.
     """
-    if streaming and layout.colocate:
-        raise ValueError(
-            "streaming PPO needs separate generation GPUs, but colocate=True puts rollout "
-            f"on the training GPUs (layout: {layout}); set colocate=False (with "
-            "rollout_gpus for the engines) or train in full-batch mode "
-            "(min_groups == num_prompts_per_step)"
+    problems = streaming_layout_problems(layout, streaming=streaming)
+    if problems:
+        raise LayoutError(problems)
+
+
+def streaming_layout_problems(layout: Layout, *, streaming: bool) -> list[LayoutProblem]:
+    """What :func:`check_streaming_layout` refuses, as data (empty: accepted)."""
+    if not (streaming and layout.colocate):
+        return []
+    return [
+        LayoutProblem(
+            "colocate",
+            True,
+            "is refused: streaming PPO needs separate generation GPUs, but colocate=True puts "
+            f"rollout on the training GPUs (layout: {layout})",
+            "set colocate=False (with rollout_gpus for the engines) or train in full-batch "
+            "mode (min_groups == num_prompts_per_step)",
         )
+    ]
+
+
+def _gpu_count_problems(name: str, value: object) -> list[LayoutProblem]:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return [LayoutProblem(name, value, "must be an int", f"set {name} to an int >= 0")]
+    if value < 0:
+        return [LayoutProblem(name, value, "must be >= 0", f"set {name} to 0 or more")]
+    return []
+
+
+def layout_problems(
+    *,
+    actor_gpus: object,
+    rollout_gpus: object,
+    colocate: bool = False,
+    rollout_external: bool = False,
+    train_only: bool = False,
+    rollout_only: bool = False,
+) -> list[LayoutProblem]:
+    """Every input :func:`placement_layout` refuses, as data, all at once (empty: accepted)."""
+    out = _gpu_count_problems("actor_gpus", actor_gpus)
+    out += _gpu_count_problems("rollout_gpus", rollout_gpus)
+    if train_only and rollout_only:
+        out.append(
+            LayoutProblem(
+                "train_only",
+                True,
+                "and rollout_only=True contradict each other",
+                "set at most one of them",
+            )
+        )
+    if colocate and rollout_external:
+        out.append(
+            LayoutProblem(
+                "colocate",
+                True,
+                "and rollout_external=True contradict each other: an external rollout cannot "
+                "share the training GPUs",
+                "set one of them to False",
+            )
+        )
+    if not rollout_only and actor_gpus == 0:
+        out.append(
+            LayoutProblem(
+                "actor_gpus",
+                0,
+                f"but training is on (rollout_only={rollout_only})",
+                "give the actor at least 1 GPU, or set rollout_only=True",
+            )
+        )
+    if not train_only and not rollout_external and rollout_gpus == 0:
+        out.append(
+            LayoutProblem(
+                "rollout_gpus",
+                0,
+                f"but generation runs locally (train_only={train_only}, "
+                f"rollout_external={rollout_external})",
+                "give rollout at least 1 GPU, or set rollout_external=True or train_only=True",
+            )
+        )
+    return out

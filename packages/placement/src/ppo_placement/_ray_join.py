@@ -12,7 +12,7 @@ import time
 from ppo_placement._ray_env import apply_join_env, apply_local_ray_env, use_local_token
 from ppo_placement._ray_start import LocalRay, describe
 
-__all__ = ["RayJoinError", "join_ray", "parse_cluster_address"]
+__all__ = ["RayJoinError", "cluster_address_problem", "join_ray", "parse_cluster_address"]
 
 
 class RayJoinError(RuntimeError):
@@ -45,40 +45,51 @@ def parse_cluster_address(address: str) -> tuple[str, int] | None:
         ValueError: what is wrong with ``address`` and the fix (Ray Client addresses,
             ``ray://...``, are refused: the driver needs a Ray node on its machine).
     """
+    parsed = _parse_address(address)
+    if isinstance(parsed, str):
+        raise ValueError(f"cluster address {address!r}{parsed}; {_ADDRESS_FIX}")
+    return parsed
+
+
+def cluster_address_problem(address: object) -> tuple[str, str] | None:
+    """What :func:`parse_cluster_address` refuses in ``address``, as ``(what is wrong,
+    the fix)``; None when it is accepted (the rule written once, for the driver's validate)."""
+    parsed = _parse_address(address)
+    if isinstance(parsed, str):
+        return parsed.removeprefix(":").strip(), _ADDRESS_FIX
+    return None
+
+
+def _parse_address(address: object) -> tuple[str, int] | str | None:
+    """``(host, port)``, None for ``auto``, or why it is refused (a str to follow the address)."""
     if not isinstance(address, str) or not address.strip():
-        raise ValueError(f"cluster address {address!r} is empty; {_ADDRESS_FIX}")
+        return " is empty"
     text = address.strip()
     if text == "auto":
         return None
     if "://" in text:
         scheme = text.split("://", 1)[0]
-        raise ValueError(
-            f"cluster address {address!r} is a {scheme}:// URL, but the driver joins through "
-            "the GCS from a machine of the cluster (not as a Ray Client); "
-            f"{_ADDRESS_FIX}"
+        return (
+            f" is a {scheme}:// URL, but the driver joins through the GCS from a machine of "
+            "the cluster (not as a Ray Client)"
         )
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"cluster address {address!r} has no port; {_ADDRESS_FIX}")
+        return " has no port"
     if host.startswith("[") and host.endswith("]"):
         inner = host[1:-1]
         try:
             ipaddress.IPv6Address(inner)
         except ValueError:
-            raise ValueError(
-                f"cluster address {address!r}: {host} is not an IPv6 address; {_ADDRESS_FIX}"
-            ) from None
+            return f": {host} is not an IPv6 address"
         host = inner
     elif not _HOST_NAME.match(host):
-        raise ValueError(
-            f"cluster address {address!r}: {host!r} is not a host name or IPv4 address "
-            f"(an IPv6 address goes in brackets, [::1]:6379); {_ADDRESS_FIX}"
+        return (
+            f": {host!r} is not a host name or IPv4 address (an IPv6 address goes in "
+            "brackets, [::1]:6379)"
         )
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(
-            f"cluster address {address!r}: port {port_text!r} is not a number in 1..65535; "
-            f"{_ADDRESS_FIX}"
-        )
+        return f": port {port_text!r} is not a number in 1..65535"
     return host, int(port_text)
 
 

@@ -15,7 +15,13 @@ from ppo_sampler._chunk import (
     single_chunk_only,
     tail_floor,
 )
-from ppo_sampler._config import SAMPLER_NAMES, SamplerConfig, make_sampler
+from ppo_sampler._config import (
+    SAMPLER_NAMES,
+    SamplerConfig,
+    SamplerConfigError,
+    SamplerProblem,
+    make_sampler,
+)
 from ppo_sampler._samplers import GroupId, InOrderSampler, ReadyFirstSampler, Sampler
 
 __version__ = "0.2.0"
@@ -27,6 +33,8 @@ __all__ = [
     "ReadyFirstSampler",
     "Sampler",
     "SamplerConfig",
+    "SamplerConfigError",
+    "SamplerProblem",
     "__version__",
     "chunk_schedule",
     "fixed_chunk_sizes",

@@ -8,7 +8,7 @@ from typing import Any
 
 from ppo_sampler._samplers import InOrderSampler, ReadyFirstSampler, Sampler
 
-__all__ = ["SAMPLER_NAMES", "SamplerConfig", "make_sampler"]
+__all__ = ["SAMPLER_NAMES", "SamplerConfig", "SamplerConfigError", "SamplerProblem", "make_sampler"]
 
 SAMPLER_NAMES = ("in_order", "ready_first")
 """The samplers streaming supports (``async_rl.sampler.name``)."""
@@ -24,11 +24,47 @@ _KEYS = {
 }
 
 
-def _int_key(field: str, value: object, *, minimum: int, fix: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class SamplerProblem:
+    """One refused :class:`SamplerConfig` field: its name (``field``, the dataclass's), the
+    value, what is wrong and the fix. ``key`` is the document's YAML key of the field."""
+
+    field: str
+    value: object
+    message: str
+    fix: str
+
+    @property
+    def key(self) -> str:
+        return _KEYS[self.field]
+
+    def __str__(self) -> str:
+        shown = str(self.value).lower() if isinstance(self.value, bool) else repr(self.value)
+        return f"{self.key}={shown} {self.message}; {self.fix}"
+
+
+class SamplerConfigError(ValueError):
+    """A :class:`SamplerConfig` refused, with EVERY problem in ``problems``."""
+
+    def __init__(self, problems: list[SamplerProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(map(str, self.problems)))
+
+
+def _int_problem(field: str, value: object, *, minimum: int, fix: str) -> list[SamplerProblem]:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"{_KEYS[field]}={value!r} is invalid: it must be an int >= {minimum}; {fix}"
+        return [SamplerProblem(field, value, f"is invalid: it must be an int >= {minimum}", fix)]
+    return []
+
+
+def _bool_problem(field: str, value: object) -> list[SamplerProblem]:
+    if isinstance(value, bool):
+        return []
+    return [
+        SamplerProblem(
+            field, value, "must be true or false", f"set {_KEYS[field]} to true or false"
         )
+    ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,7 +72,8 @@ class SamplerConfig:
     """Sampler settings; each field documents its configuration key.
 
     ``min_groups_for_streaming_train == num_prompts_per_step`` selects full-batch
-    execution; a smaller minimum streams.
+    execution; a smaller minimum streams. :meth:`problems` judges field values without
+    building one; the constructor raises :class:`SamplerConfigError` with all of them.
     """
 
     num_prompts_per_step: int
@@ -58,53 +95,54 @@ class SamplerConfig:
     ``max_lookahead_versions=0`` (no group is generated before the previous update)."""
 
     def __post_init__(self) -> None:
-        if self.name not in SAMPLER_NAMES:
-            raise ValueError(
-                f"{_KEYS['name']}={self.name!r} is not a known sampler; choose one of "
-                f"{', '.join(map(repr, SAMPLER_NAMES))} (streaming needs one of them)"
-            )
-        _int_key("num_prompts_per_step", self.num_prompts_per_step, minimum=1, fix="set the batch")
-        _int_key(
-            "min_groups_for_streaming_train",
-            self.min_groups_for_streaming_train,
-            minimum=1,
-            fix=f"set it between 1 and {_KEYS['num_prompts_per_step']}",
+        problems = self.problems(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         )
-        if self.min_groups_for_streaming_train > self.num_prompts_per_step:
-            raise ValueError(
-                f"{_KEYS['min_groups_for_streaming_train']}={self.min_groups_for_streaming_train} "
-                f"exceeds {_KEYS['num_prompts_per_step']}={self.num_prompts_per_step}; set it at "
-                "most the batch (equal to the batch selects full-batch execution)"
-            )
-        _int_key("max_lookahead_versions", self.max_lookahead_versions, minimum=0, fix="0 or more")
-        _int_key("max_staleness_versions", self.max_staleness_versions, minimum=0, fix="0 or more")
-        if not isinstance(self.evict_stale, bool):
-            raise ValueError(f"{_KEYS['evict_stale']}={self.evict_stale!r} must be true or false")
-        self._check_deterministic()
+        if problems:
+            raise SamplerConfigError(problems)
 
-    def _check_deterministic(self) -> None:
-        key = _KEYS["deterministic_chunks"]
-        if not isinstance(self.deterministic_chunks, bool):
-            raise ValueError(f"{key}={self.deterministic_chunks!r} must be true or false")
-        if not self.deterministic_chunks:
-            return
-        # The rule: every group of a step is generated with the weights of the update
-        # before it, and each step's chunks are cut in its dispatch order. ready_first picks
-        # groups across steps by readiness; a lookahead lets the next step's groups be
-        # generated before or after the refit, whichever comes first.
-        if self.name != "in_order":
-            raise ValueError(
-                f"{key}=true needs {_KEYS['name']}=in_order, not {self.name!r} (which trains "
-                f"groups in the order they finish, across steps); set {_KEYS['name']}=in_order, "
-                f"or {key}=false"
+    @classmethod
+    def problems(
+        cls,
+        *,
+        num_prompts_per_step: object,
+        min_groups_for_streaming_train: object,
+        name: object = "in_order",
+        max_lookahead_versions: object = 1,
+        max_staleness_versions: object = 1,
+        evict_stale: object = False,
+        deterministic_chunks: object = False,
+    ) -> list[SamplerProblem]:
+        """Every problem of these field values at once (empty: a valid config)."""
+        out: list[SamplerProblem] = []
+        if name not in SAMPLER_NAMES:
+            out.append(
+                SamplerProblem(
+                    "name",
+                    name,
+                    "is not a known sampler",
+                    f"choose one of {', '.join(map(repr, SAMPLER_NAMES))} (streaming needs one "
+                    "of them)",
+                )
             )
-        if self.max_lookahead_versions != 0:
-            raise ValueError(
-                f"{key}=true needs {_KEYS['max_lookahead_versions']}=0, not "
-                f"{self.max_lookahead_versions} (whether a look-ahead group is generated before "
-                f"or after the refit depends on timing); set "
-                f"{_KEYS['max_lookahead_versions']}=0, or {key}=false"
+        batch_key = _KEYS["num_prompts_per_step"]
+        out += _int_problem(
+            "num_prompts_per_step",
+            num_prompts_per_step,
+            minimum=1,
+            fix=f"set {batch_key} to 1 or more",
+        )
+        out += _min_groups_problems(num_prompts_per_step, min_groups_for_streaming_train)
+        for field in ("max_lookahead_versions", "max_staleness_versions"):
+            value = (
+                max_lookahead_versions
+                if field == "max_lookahead_versions"
+                else max_staleness_versions
             )
+            out += _int_problem(field, value, minimum=0, fix=f"set {_KEYS[field]} to 0 or more")
+        out += _bool_problem("evict_stale", evict_stale)
+        out += _deterministic_problems(deterministic_chunks, name, max_lookahead_versions)
+        return out
 
     @property
     def full_batch(self) -> bool:
@@ -142,6 +180,59 @@ class SamplerConfig:
             deterministic_chunks=async_rl.get("deterministic_chunks", False),
             **sampler,
         )
+
+
+def _min_groups_problems(batch: object, minimum: object) -> list[SamplerProblem]:
+    field, batch_key = "min_groups_for_streaming_train", _KEYS["num_prompts_per_step"]
+    out = _int_problem(field, minimum, minimum=1, fix=f"set it between 1 and {batch_key}")
+    if out or isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        return out
+    assert isinstance(minimum, int)  # checked by _int_problem
+    if minimum > batch:
+        out.append(
+            SamplerProblem(
+                field,
+                minimum,
+                f"exceeds {batch_key}={batch}",
+                "set it at most the batch (equal to the batch selects full-batch execution)",
+            )
+        )
+    return out
+
+
+def _deterministic_problems(
+    deterministic: object, name: object, lookahead: object
+) -> list[SamplerProblem]:
+    # The rule: every group of a step is generated with the weights of the update before
+    # it, and each step's chunks are cut in its dispatch order. ready_first picks groups
+    # across steps by readiness; a lookahead lets the next step's groups be generated
+    # before or after the refit, whichever comes first.
+    field, key = "deterministic_chunks", _KEYS["deterministic_chunks"]
+    out = _bool_problem(field, deterministic)
+    if out or not deterministic:
+        return out
+    if name != "in_order":
+        out.append(
+            SamplerProblem(
+                field,
+                True,
+                f"needs {_KEYS['name']}=in_order, not {name!r} (which trains groups in the "
+                "order they finish, across steps)",
+                f"set {_KEYS['name']}=in_order, or {key}=false",
+            )
+        )
+    if name == "in_order" and lookahead != 0:
+        ahead = _KEYS["max_lookahead_versions"]
+        out.append(
+            SamplerProblem(
+                field,
+                True,
+                f"needs {ahead}=0, not {lookahead} (whether a look-ahead group is generated "
+                "before or after the refit depends on timing)",
+                f"set {ahead}=0, or {key}=false",
+            )
+        )
+    return out
 
 
 def _section(config: Mapping[str, Any], key: str, *, prefix: str = "") -> Mapping[str, Any]:

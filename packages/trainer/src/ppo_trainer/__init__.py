@@ -38,6 +38,8 @@ from ppo_trainer._config import (
     ActorConfig,
     CriticConfig,
     ModelSpec,
+    TrainerConfigError,
+    TrainerProblem,
 )
 from ppo_trainer._math import (
     MAX_LOG_RATIO,
@@ -58,9 +60,21 @@ from ppo_trainer._math import (
     value_loss,
     whiten_with,
 )
+from ppo_trainer._megatron_rules import (
+    FP8_RECIPES,
+    MEGATRON_OPTIMIZER_KEYS,
+    MEGATRON_OPTION_KEYS,
+    TRANSFORMER_IMPLS,
+    MegatronConfigError,
+    MegatronProblem,
+    data_parallel_size,
+    mesh_problems,
+    option_problems,
+)
 from ppo_trainer._offload import (
     CommunicatorSuspender,
     memory_saver_installed,
+    memory_saver_problem,
     resolve_offload_backend,
 )
 from ppo_trainer._torch_backend import (
@@ -80,11 +94,15 @@ from ppo_trainer._workers import (
 __version__ = "0.5.0"
 
 __all__ = [
+    "FP8_RECIPES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCHEDULERS",
     "MAX_LOG_RATIO",
+    "MEGATRON_OPTIMIZER_KEYS",
+    "MEGATRON_OPTION_KEYS",
     "OFFLOAD_BACKENDS",
+    "TRANSFORMER_IMPLS",
     "ActorConfig",
     "ActorWorker",
     "Backend",
@@ -94,12 +112,16 @@ __all__ = [
     "CriticWorker",
     "EmptyStepError",
     "FrozenModel",
+    "MegatronConfigError",
+    "MegatronProblem",
     "Mesh",
     "ModelSpec",
     "Moments",
     "PolicyLoss",
     "Timeline",
     "TrainModel",
+    "TrainerConfigError",
+    "TrainerProblem",
     "ValueLoss",
     "__version__",
     "aggregate_loss",
@@ -108,6 +130,7 @@ __all__ = [
     "build_causal_lm",
     "build_value_model",
     "check_reward_kl",
+    "data_parallel_size",
     "entropy_from_logits",
     "gae",
     "get_backend",
@@ -121,6 +144,9 @@ __all__ = [
     "masked_sum",
     "masked_whiten",
     "memory_saver_installed",
+    "memory_saver_problem",
+    "mesh_problems",
+    "option_problems",
     "policy_loss",
     "register_backend",
     "resolve_offload_backend",

@@ -1,16 +1,18 @@
 """Configuration dataclasses of the trainer: the model spec and the actor / critic configs.
 
-Every check raises ``ValueError`` naming the key, the bad value and the fix. Configs are
-plain, frozen dataclasses so the driver can build them from YAML and ship them to Ray
-workers unchanged.
+Each config's rules are written once, as data: the classmethod ``problems(**values)``
+returns every refused field (:class:`TrainerProblem`: field, value, message, fix) without
+building anything, and the constructor raises :class:`TrainerConfigError` (a
+``ValueError``) carrying that list. Configs are plain, frozen dataclasses so the driver
+can build them from YAML and ship them to Ray workers unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -20,6 +22,8 @@ __all__ = [
     "ActorConfig",
     "CriticConfig",
     "ModelSpec",
+    "TrainerConfigError",
+    "TrainerProblem",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -36,8 +40,57 @@ LossAgg = Literal["token", "sample"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 
 
-def _bad(key: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{key}={value!r} is invalid: {fix}")
+@dataclass(frozen=True)
+class TrainerProblem:
+    """One refused field of a trainer config: ``field`` is the dataclass field's name,
+    ``section`` the config it belongs to (``model``, ``actor``, ``critic``)."""
+
+    field: str
+    value: object
+    message: str
+    fix: str
+    section: str = "model"
+
+    def __str__(self) -> str:
+        return f"{self.section}.{self.field}={self.value!r} is invalid: {self.message}; {self.fix}"
+
+
+class TrainerConfigError(ValueError):
+    """A trainer config refused, with EVERY problem in ``problems``."""
+
+    def __init__(self, problems: list[TrainerProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(map(str, self.problems)))
+
+
+def _values(cls: type[Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` over the defaults of ``cls``'s fields (``TypeError`` for an unknown name)."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in values:
+            out[f.name] = values[f.name]
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+        elif f.default is not MISSING:
+            out[f.name] = f.default
+    unknown = sorted(set(values) - set(out))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
+    return out
+
+
+def _raise_problems(obj: Any) -> None:
+    problems = type(obj).problems(**{f.name: getattr(obj, f.name) for f in fields(obj)})
+    if problems:
+        raise TrainerConfigError(problems)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,33 +118,53 @@ class ModelSpec:
     seed: int = 0
     dtype: str = "float32"
 
+    _SIZES: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    )
+
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise _bad(f"model.{name}", value, "use a positive integer")
-        if self.hidden_size % self.num_attention_heads:
-            raise _bad(
-                "model.hidden_size",
-                self.hidden_size,
-                f"must be divisible by model.num_attention_heads={self.num_attention_heads}",
+        _raise_problems(self)
+
+    @classmethod
+    def problems(cls, **values: Any) -> list[TrainerProblem]:
+        """Every problem of these field values (the others at their defaults), at once."""
+        v = _values(cls, values)
+        out = [
+            TrainerProblem(name, v[name], "must be a positive integer", "use a positive integer")
+            for name in cls._SIZES
+            if not _is_int(v[name]) or v[name] <= 0
+        ]
+        bad = {p.field for p in out}
+        heads, kv = v["num_attention_heads"], v["num_key_value_heads"]
+        if not bad & {"hidden_size", "num_attention_heads"} and v["hidden_size"] % heads:
+            out.append(
+                TrainerProblem(
+                    "hidden_size",
+                    v["hidden_size"],
+                    f"must be divisible by model.num_attention_heads={heads}",
+                    "use a multiple of the head count",
+                )
             )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise _bad(
-                "model.num_key_value_heads",
-                self.num_key_value_heads,
-                f"must divide model.num_attention_heads={self.num_attention_heads}",
+        if not bad & {"num_key_value_heads", "num_attention_heads"} and heads % kv:
+            out.append(
+                TrainerProblem(
+                    "num_key_value_heads",
+                    kv,
+                    f"must divide model.num_attention_heads={heads}",
+                    "use a divisor of the head count",
+                )
             )
-        if self.dtype not in _DTYPES:
-            raise _bad("model.dtype", self.dtype, f"use one of {_DTYPES}")
+        if v["dtype"] not in _DTYPES:
+            out.append(
+                TrainerProblem("dtype", v["dtype"], "unknown dtype", f"use one of {_DTYPES}")
+            )
+        return out
 
     def hf_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``transformers.Qwen2Config`` (ignored when ``path`` is set)."""
@@ -141,52 +214,29 @@ class _TrainConfig:
     loss_agg: str = "token"
     offload_backend: str = "auto"
 
+    _SECTION: ClassVar[str] = "train"
+
     def __post_init__(self) -> None:
-        p = self._prefix()
-        if not isinstance(self.backend, str) or not self.backend:
-            raise _bad(f"{p}.backend", self.backend, "use 'torch' or 'megatron'")
-        if self.device not in _DEVICES:
-            raise _bad(f"{p}.device", self.device, f"use one of {_DEVICES}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise _bad(f"{p}.lr", self.lr, "use a positive finite learning rate")
-        if self.weight_decay < 0:
-            raise _bad(f"{p}.weight_decay", self.weight_decay, "use a value >= 0")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise _bad(f"{p}.betas", self.betas, "use two values in [0, 1), e.g. (0.9, 0.999)")
-        if self.adam_eps <= 0:
-            raise _bad(f"{p}.adam_eps", self.adam_eps, "use a positive epsilon, e.g. 1e-8")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise _bad(
-                f"{p}.max_grad_norm", self.max_grad_norm, "use a positive norm, or null to disable"
-            )
-        if self.lr_scheduler not in LR_SCHEDULERS:
-            raise _bad(f"{p}.lr_scheduler", self.lr_scheduler, f"use one of {LR_SCHEDULERS}")
-        if self.warmup_steps < 0:
-            raise _bad(f"{p}.warmup_steps", self.warmup_steps, "use an integer >= 0")
-        if self.lr_scheduler != "constant" and (self.decay_steps is None or self.decay_steps <= 0):
-            raise _bad(
-                f"{p}.decay_steps",
-                self.decay_steps,
-                f"lr_scheduler={self.lr_scheduler!r} needs the number of optimizer steps "
-                "to decay over (a positive integer)",
-            )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise _bad(f"{p}.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
-        if self.micro_batch_size <= 0:
-            raise _bad(f"{p}.micro_batch_size", self.micro_batch_size, "use a positive integer")
-        if self.loss_agg not in LOSS_AGGREGATIONS:
-            raise _bad(f"{p}.loss_agg", self.loss_agg, f"use one of {LOSS_AGGREGATIONS}")
         if self.offload_backend in _OFFLOAD_ALIASES:
             object.__setattr__(self, "offload_backend", _OFFLOAD_ALIASES[self.offload_backend])
-        if self.offload_backend not in OFFLOAD_BACKENDS:
-            raise _bad(
-                f"{p}.offload_backend",
-                self.offload_backend,
-                f"use one of {OFFLOAD_BACKENDS} (memory_saver: CUDA and torch_memory_saver only)",
-            )
+        _raise_problems(self)
 
-    def _prefix(self) -> str:
-        return "train"
+    @classmethod
+    def problems(cls, **values: Any) -> list[TrainerProblem]:
+        """Every problem of these field values (the others at their defaults), at once;
+        ``model`` is a built :class:`ModelSpec` (its own :meth:`ModelSpec.problems`)."""
+        v = _values(cls, values)
+        if v["offload_backend"] in _OFFLOAD_ALIASES:
+            v["offload_backend"] = _OFFLOAD_ALIASES[v["offload_backend"]]
+        out = [
+            TrainerProblem(name, v[name], why, fix, cls._SECTION)
+            for name, why, fix in (*_train_rules(v), *cls._own_rules(v))
+        ]
+        return out
+
+    @classmethod
+    def _own_rules(cls, v: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable view (used in checkpoint metadata)."""
@@ -201,6 +251,50 @@ class _TrainConfig:
                 value = list(value)
             out[f.name] = value
         return out
+
+
+def _train_rules(v: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(field, why, fix)`` of each refused field the actor and the critic share."""
+    out: list[tuple[str, str, str]] = []
+
+    def need(name: str, ok: bool, why: str, fix: str) -> None:
+        if not ok:
+            out.append((name, why, fix))
+
+    backend, lr, betas = v["backend"], v["lr"], v["betas"]
+    need("backend", isinstance(backend, str) and bool(backend), "unknown backend",
+         "use 'torch' or 'megatron'")  # fmt: skip
+    need("device", v["device"] in _DEVICES, "unknown device", f"use one of {_DEVICES}")
+    need("lr", _is_number(lr) and lr > 0, "must be positive and finite",
+         "use a positive finite learning rate")  # fmt: skip
+    need("weight_decay", _is_number(v["weight_decay"]) and v["weight_decay"] >= 0,
+         "must be >= 0", "use a value >= 0")  # fmt: skip
+    ok_betas = isinstance(betas, tuple | list) and len(betas) == 2
+    need("betas", ok_betas and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas),
+         "must be two values in [0, 1)", "use two values in [0, 1), e.g. (0.9, 0.999)")  # fmt: skip
+    need("adam_eps", _is_number(v["adam_eps"]) and v["adam_eps"] > 0, "must be positive",
+         "use a positive epsilon, e.g. 1e-8")  # fmt: skip
+    norm = v["max_grad_norm"]
+    need("max_grad_norm", norm is None or (_is_number(norm) and norm > 0), "must be positive",
+         "use a positive norm, or null to disable")  # fmt: skip
+    sched, decay = v["lr_scheduler"], v["decay_steps"]
+    need("lr_scheduler", sched in LR_SCHEDULERS, "unknown scheduler", f"use one of {LR_SCHEDULERS}")
+    need("warmup_steps", _is_int(v["warmup_steps"]) and v["warmup_steps"] >= 0,
+         "must be an integer >= 0", "use an integer >= 0")  # fmt: skip
+    need("decay_steps", sched == "constant" or (_is_int(decay) and decay > 0),
+         f"lr_scheduler={sched!r} needs the number of optimizer steps to decay over",
+         "use a positive integer")  # fmt: skip
+    ratio = v["min_lr_ratio"]
+    need("min_lr_ratio", _is_number(ratio) and 0.0 <= ratio <= 1.0, "must be in [0, 1]",
+         "use a value in [0, 1]")  # fmt: skip
+    mbs = v["micro_batch_size"]
+    need("micro_batch_size", _is_int(mbs) and mbs > 0, "must be positive",
+         "use a positive integer")  # fmt: skip
+    need("loss_agg", v["loss_agg"] in LOSS_AGGREGATIONS, "unknown aggregation",
+         f"use one of {LOSS_AGGREGATIONS}")  # fmt: skip
+    need("offload_backend", v["offload_backend"] in OFFLOAD_BACKENDS, "unknown offload backend",
+         f"use one of {OFFLOAD_BACKENDS} (memory_saver: CUDA and torch_memory_saver only)")  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,27 +316,26 @@ class ActorConfig(_TrainConfig):
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.eps_clip < 1.0:
-            raise _bad("actor.eps_clip", self.eps_clip, "use a value in (0, 1), e.g. 0.2")
-        if self.eps_clip_high is not None and self.eps_clip_high <= 0:
-            raise _bad(
-                "actor.eps_clip_high",
-                self.eps_clip_high,
-                "use a positive value or null (= eps_clip)",
-            )
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise _bad("actor.dual_clip", self.dual_clip, "use a constant > 1 (e.g. 3.0) or null")
-        if self.kl_loss_coef < 0:
-            raise _bad("actor.kl_loss_coef", self.kl_loss_coef, "use a value >= 0")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise _bad("actor.kl_estimator", self.kl_estimator, f"use one of {KL_ESTIMATORS}")
-        if self.entropy_coef < 0:
-            raise _bad("actor.entropy_coef", self.entropy_coef, "use a value >= 0")
+    _SECTION: ClassVar[str] = "actor"
 
-    def _prefix(self) -> str:
-        return "actor"
+    @classmethod
+    def _own_rules(cls, v: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+        out: list[tuple[str, str, str]] = []
+        eps, high, dual = v["eps_clip"], v["eps_clip_high"], v["dual_clip"]
+        if not (_is_number(eps) and 0.0 < eps < 1.0):
+            out.append(("eps_clip", "must be in (0, 1)", "use a value in (0, 1), e.g. 0.2"))
+        if high is not None and not (_is_number(high) and high > 0):
+            out.append(
+                ("eps_clip_high", "must be positive", "use a positive value or null (= eps_clip)")
+            )
+        if dual is not None and not (_is_number(dual) and dual > 1.0):
+            out.append(("dual_clip", "must be > 1", "use a constant > 1 (e.g. 3.0) or null"))
+        for name in ("kl_loss_coef", "entropy_coef"):
+            if not (_is_number(v[name]) and v[name] >= 0):
+                out.append((name, "must be >= 0", "use a value >= 0"))
+        if v["kl_estimator"] not in KL_ESTIMATORS:
+            out.append(("kl_estimator", "unknown estimator", f"use one of {KL_ESTIMATORS}"))
+        return out
 
     @property
     def use_reference(self) -> bool:
@@ -257,10 +350,11 @@ class CriticConfig(_TrainConfig):
 
     value_clip: float | None = 0.2
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise _bad("critic.value_clip", self.value_clip, "use a positive value or null")
+    _SECTION: ClassVar[str] = "critic"
 
-    def _prefix(self) -> str:
-        return "critic"
+    @classmethod
+    def _own_rules(cls, v: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+        clip = v["value_clip"]
+        if clip is not None and not (_is_number(clip) and clip > 0):
+            return [("value_clip", "must be positive", "use a positive value or null")]
+        return []

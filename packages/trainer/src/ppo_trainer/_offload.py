@@ -44,6 +44,7 @@ __all__ = [
     "SuspendableComm",
     "lifecycle_backend_name",
     "memory_saver_installed",
+    "memory_saver_problem",
     "nccl_communicators",
     "process_groups",
     "resolve_offload_backend",
@@ -78,6 +79,34 @@ def lifecycle_backend_name(choice: str) -> str:
     return _LIFECYCLE_NAMES.get(choice, choice)
 
 
+def memory_saver_problem(
+    *, device: torch.device | str, backend: str = "torch", key: str = "offload_backend"
+) -> tuple[str, str] | None:
+    """Why ``offload_backend='memory_saver'`` cannot run for ``backend`` on ``device``, as
+    ``(what is wrong, the fix)``; None when it can (the rule
+    :func:`resolve_offload_backend` applies, asked by the driver's validate too)."""
+    fallback = f"set {key}='host_copy' (or 'auto', which picks host_copy there)"
+    if backend not in _MEMORY_SAVER_BACKENDS:
+        return (
+            f"is not supported by the {backend} backend (megatron-core allocates its DDP "
+            "buffers outside a memory-saver region, so a pause would not free them)",
+            fallback,
+        )
+    if torch.device(device).type != "cuda":
+        return (
+            f"needs CUDA (torch_memory_saver pauses CUDA memory; the device here is "
+            f"{torch.device(device)})",
+            fallback,
+        )
+    if not memory_saver_installed():
+        return (
+            "needs the torch_memory_saver package, which is not installed",
+            "install the extra (`uv sync --extra cuda`, or `pip install 'ppo-lifecycle[cuda]'`), "
+            f"or {fallback}",
+        )
+    return None
+
+
 def resolve_offload_backend(
     requested: str,
     *,
@@ -108,24 +137,9 @@ def resolve_offload_backend(
         raise ValueError(
             f"{key}={requested!r} is invalid: use 'auto', 'host_copy', 'memory_saver' or 'none'"
         )
-    fallback = f"set {key}='host_copy' (or 'auto', which picks host_copy there)"
-    if not supported:
-        raise ValueError(
-            f"{key}='memory_saver' is not supported by the {backend} backend (megatron-core "
-            f"allocates its DDP buffers outside a memory-saver region, so a pause would not "
-            f"free them); {fallback}"
-        )
-    if dev.type != "cuda":
-        raise ValueError(
-            f"{key}='memory_saver' needs CUDA (torch_memory_saver pauses CUDA memory; the "
-            f"device here is {dev}); {fallback}"
-        )
-    if not memory_saver_installed():
-        raise ValueError(
-            f"{key}='memory_saver' needs the torch_memory_saver package, which is not "
-            "installed; install the extra (`uv sync --extra cuda`, or "
-            f"`pip install 'ppo-lifecycle[cuda]'`), or {fallback}"
-        )
+    problem = memory_saver_problem(device=dev, backend=backend, key=key)
+    if problem is not None:
+        raise ValueError(f"{key}='memory_saver' {problem[0]}; {problem[1]}")
     return "memory_saver"
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_trainer._config import ModelSpec
+from ppo_trainer._megatron_rules import MegatronConfigError, mesh_problems, option_problems
 from ppo_trainer._torch_backend import build_causal_lm, build_value_model
 from ppo_trainer.megatron import _convert
 from ppo_trainer.megatron._core import (
@@ -88,21 +89,21 @@ def _transformer_config(
     hf_config: Any, lay: _convert.Layout, opts: MegatronOptions, *, dtype: torch.dtype, te: bool
 ) -> Any:
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
-    if lay.num_layers % pp:
-        raise ValueError(
-            f"{opts.prefix}.pipeline_model_parallel_size={pp} does not divide the model's "
-            f"{lay.num_layers} layers: choose a divisor"
-        )
-    if lay.num_key_value_heads % tp or hf_config.vocab_size % tp:
-        raise ValueError(
-            f"{opts.prefix}.tensor_model_parallel_size={tp} must divide the model's key/value "
-            f"heads ({lay.num_key_value_heads}) and vocab size ({hf_config.vocab_size})"
-        )
-    if opts.fp8_param and not te:
-        raise ValueError(
-            f"{opts.prefix}.fp8_param=true needs the Transformer Engine layer spec (CUDA and "
-            f"the `te` extra): set {opts.prefix}.fp8_param=false"
-        )
+    problems = mesh_problems(
+        world_size=tp * pp,  # the ranks are checked at model-parallel initialisation
+        tp=tp,
+        pp=pp,
+        heads=lay.num_attention_heads,
+        kv_heads=lay.num_key_value_heads,
+        vocab=hf_config.vocab_size,
+        layers=lay.num_layers,
+        prefix=opts.prefix,
+    )
+    if opts.fp8_param and not te:  # the option rule, with the layer spec this backend chose
+        options = {"fp8_param": True, "transformer_impl": opts.transformer_impl}
+        problems += option_problems(options, prefix=opts.prefix, te_available=False)
+    if problems:
+        raise MegatronConfigError(problems)
     fp8: dict[str, Any] = {}
     if opts.fp8_param:
         fp8 = {"fp8": "hybrid", "fp8_recipe": opts.fp8_recipe or "delayed", "fp8_param": True}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ppo_trainer._megatron_rules import data_parallel_size
 from ppo_trainer._torch_backend import tcp_rendezvous_store
 from ppo_trainer.megatron._core import model_parallel_cuda_manual_seed, ps
 from ppo_trainer.megatron._options import MegatronOptions
@@ -50,12 +51,7 @@ def _init_distributed(
 
 def _init_model_parallel(opts: MegatronOptions, *, world_size: int, seed: int) -> None:
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ValueError(
-            f"{opts.prefix}.tensor_model_parallel_size={tp} x "
-            f"{opts.prefix}.pipeline_model_parallel_size={pp} does not divide "
-            f"world_size={world_size}: choose sizes whose product divides the number of ranks"
-        )
+    data_parallel_size(world_size=world_size, tp=tp, pp=pp, prefix=opts.prefix)
     if ps.model_parallel_is_initialized():
         have = (
             ps.get_tensor_model_parallel_world_size(),

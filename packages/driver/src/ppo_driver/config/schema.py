@@ -1,0 +1,291 @@
+"""The driver's YAML schema: one dataclass per section, with the document's key names
+(``ppo.*``, ``async_rl.*``, ``policy.megatron_cfg.*``) and their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ppo_sampler import group_alignment
+from ppo_trainer import (
+    data_parallel_size,
+)
+
+Role = Literal["policy", "actor", "critic"]
+
+
+"""A trained model: ``policy`` (its YAML section; ``actor`` is the same model) or ``critic``."""
+
+
+class _Section:
+    """Base of the sections: one that :func:`freeze` froze refuses every assignment (the
+    config inside a ``ValidConfig``); a plain ``DriverConfig`` stays editable."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign {type(self).__name__}.{name}: a validated config is frozen "
+                "(edit a DriverConfig and validate it again)"
+            )
+        object.__setattr__(self, name, value)
+
+
+def freeze(section: _Section) -> None:
+    """Freeze ``section`` and every section inside it."""
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        child = getattr(section, f.name)
+        if isinstance(child, _Section):
+            freeze(child)
+    object.__setattr__(section, "_frozen", True)
+
+
+@dataclass
+class RunConfig(_Section):
+    """Run bookkeeping (not from the document)."""
+
+    name: str = "tiny"
+    output_dir: str = "runs"
+    seed: int = 0
+    num_steps: int = 100
+    checkpoint_every: int = 25
+    keep_checkpoints: int = 2
+    # Greedy evaluation of rollout.eval_dataset_path after every eval_every-th step (and
+    # the last); eval/* in that step's metrics row. 0: off.
+    eval_every: int = 0
+    progress: bool = True
+    # TensorBoard event files under <run dir>/tensorboard/ (every numeric metric), besides
+    # metrics.jsonl and the console line; needs the extra ppo-driver[tensorboard].
+    tensorboard: bool = False
+    # Level of the project's loggers (ppo_driver, ppo_trainer, ppo_lifecycle, ...) in
+    # train.log, the trainer worker processes' lines included: DEBUG, INFO, WARNING, ERROR.
+    log_level: str = "INFO"
+
+
+ADV_NORMALIZATIONS = ("previous_step", "chunk")
+
+
+@dataclass
+class AdvEstimatorConfig(_Section):
+    normalize_advantages: bool = True
+    # previous_step (the project's): every chunk of a step is whitened with the statistics
+    # of the previous step's whole batch, fixed before the step starts (none yet: not
+    # normalised), so a streamed step learns what a full-batch step learns.
+    # chunk (the streaming document's): each chunk with its own statistics (full-batch:
+    # the batch's), so the chunk boundaries change the gradients.
+    normalization: str = "previous_step"
+    gamma: float = 1.0
+    lam: float = 0.95
+
+
+@dataclass
+class PPOConfig(_Section):
+    num_prompts_per_step: int = 64
+    num_generations_per_prompt: int = 4
+    ppo_epochs: int = 4
+    critic_ppo_epochs: int = 2
+    critic_warmup_steps: int = 0
+    critic_mini_batch_size: int = 32
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    kl_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "sample"
+    adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
+
+
+@dataclass
+class SamplerCfg(_Section):
+    name: str = "in_order"
+    # 0: each step's generation starts after the previous update and refit (see the
+    # README: on the 2-core CPU task this is what leaves streaming a tail to overlap).
+    max_lookahead_versions: int = 0
+    max_staleness_versions: int = 1
+    evict_stale: bool = False
+
+
+@dataclass
+class AsyncRLConfig(_Section):
+    min_groups_for_streaming_train: int = 16
+    # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns)
+    deterministic_chunks: bool = False
+    max_prompts_in_flight: int = 0  # 0: num_prompts_per_step * (1 + lookahead)
+    poll_interval_s: float = 0.02
+    sampler: SamplerCfg = field(default_factory=SamplerCfg)
+
+
+@dataclass
+class MegatronOptimizerCfg(_Section):
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+
+
+@dataclass
+class MegatronCfg(_Section):
+    enabled: bool = False
+    use_megatron_fsdp: bool = False
+    fp8_param: bool = False
+    fp8_recipe: str | None = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    # auto: Transformer Engine's layer spec when TE imports and CUDA is present, else local
+    transformer_impl: str = "auto"
+    optimizer: MegatronOptimizerCfg = field(default_factory=MegatronOptimizerCfg)
+
+
+@dataclass
+class ModelConfig(_Section):
+    """One trained model (``policy`` or ``critic``)."""
+
+    model_path: str | None = None
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    train_micro_batch_size: int | None = None
+    # auto | host_copy | memory_saver: how sleep moves the model off its device (auto:
+    # memory_saver on CUDA with torch_memory_saver and the torch backend, else host_copy)
+    offload_backend: str = "auto"
+    # float32 | bfloat16: the weights' dtype (the engine's too). bfloat16 needs
+    # megatron_cfg.enabled (bf16 compute, fp32 master weights in the optimizer)
+    dtype: str = "float32"
+    megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
+
+
+@dataclass
+class ClusterConfig(_Section):
+    """Devices: actor and critic share ``actor_gpus``; generation gets ``rollout_gpus``."""
+
+    actor_gpus: int = 1
+    rollout_gpus: int = 1
+    colocate: bool = False
+    # true: the local cluster declares the layout's GPUs as logical Ray resources (CPU
+    # runs); false: it offers the machine's CUDA devices (validate checks there are enough)
+    logical_gpus: bool = True
+    num_cpus: int | None = None
+    # null: start a local Ray cluster; "auto" or "host:port": join the existing cluster
+    # (`ray start`) at that GCS address, and leave it running at the end.
+    address: str | None = None
+
+
+@dataclass
+class RolloutConfig(_Section):
+    # The prompts: null, the built-in task; else a JSONL file, one object per line with
+    # a `prompt_key` field (every field reaches the reward as `record`).
+    dataset_path: str | None = None
+    prompt_key: str = "prompt"
+    # The tokenizer's chat template around each prompt (a string, or a list of
+    # {"role", "content"} messages); needs policy.model_path's tokenizer to have one.
+    apply_chat_template: bool = False
+    # Held-out prompts (JSONL, same prompt_key), evaluated every run.eval_every steps.
+    eval_dataset_path: str | None = None
+    reward: str | None = None
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    num_engines: int = 1
+    # Seconds each decode step of the embedded engine takes at least (it sleeps what its
+    # compute left): emulates a slower generation device on CPU (tests, what-if
+    # benchmarks) whose speed does not depend on the trainers' load; 0 in real runs.
+    decode_delay_s: float = 0.0
+    # A reward call that takes longer fails its group (0: no limit).
+    reward_timeout_s: float = 60.0
+    # The run stops with the first failure's traceback when this many groups fail in a
+    # row (reward raised, timed out, or returned something that is not a real number).
+    max_consecutive_group_failures: int = 32
+    extra: dict[str, Any] = field(default_factory=dict)
+    # The generation engine: "embedded" (plain torch, CPU or GPU) or "sglang" (the extra
+    # ppo-driver[sglang], CUDA); engine_kwargs: extra sglang.Engine server arguments.
+    engine: str = "embedded"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DriverConfig(_Section):
+    run: RunConfig = field(default_factory=RunConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
+    policy: ModelConfig = field(default_factory=ModelConfig)
+    critic: ModelConfig = field(default_factory=lambda: ModelConfig(lr=3e-3))
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    # ------------------------------------------------------------- derived values
+    @property
+    def batch_groups(self) -> int:
+        return self.ppo.num_prompts_per_step
+
+    @property
+    def min_groups(self) -> int:
+        return self.async_rl.min_groups_for_streaming_train
+
+    @property
+    def streaming(self) -> bool:
+        """True when the readiness minimum is below the batch (streaming rules apply)."""
+        return self.min_groups < self.batch_groups
+
+    def model(self, role: Role) -> ModelConfig:
+        """The section of ``role``: ``policy`` (also for ``actor``) or ``critic``."""
+        return self.critic if role == "critic" else self.policy
+
+    def model_parallel_sizes(self, role: Role) -> tuple[int, int]:
+        """``(tensor, pipeline)`` parallel sizes of ``role``'s model: its
+        ``megatron_cfg`` sizes with the Megatron backend, ``(1, 1)`` with plain torch."""
+        mc = self.model(role).megatron_cfg
+        if not mc.enabled:
+            return 1, 1
+        return mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
+
+    def dp_size(self, role: Role) -> int:
+        """Data-parallel size of ``role``'s model: ``cluster.actor_gpus / (tp * pp)``.
+
+        Both models run one rank per training GPU (the critic reuses the actor's
+        placement bundles); ranks of one tensor x pipeline group see the same rows, so
+        rows (and chunks) split over this many ranks only. ``tp = pp = 1`` with plain
+        torch, where this is ``cluster.actor_gpus``.
+
+        Raises:
+            ValueError: naming the key, when ``tp * pp`` does not divide
+                ``cluster.actor_gpus`` or a size is below 1 (``validate`` reports it).
+        """
+        tp, pp = self.model_parallel_sizes(role)
+        gpus = self.cluster.actor_gpus
+        if gpus < 1:
+            raise ValueError(f"cluster.actor_gpus={gpus} is invalid: use at least 1")
+        prefix = f"{'critic' if role == 'critic' else 'policy'}.megatron_cfg"
+        return data_parallel_size(
+            world_size=gpus, tp=tp, pp=pp, prefix=prefix, world_key="cluster.actor_gpus"
+        )
+
+    @property
+    def group_alignment(self) -> int:
+        """Batch and minimum must be multiples of this: ``ppo_sampler.group_alignment``
+        over both models' data-parallel sizes (:meth:`dp_size`) and micro-batch sizes,
+        so every chunk splits evenly over each model's data-parallel ranks.
+        ``ValueError`` if impossible (a bad mesh, a non-positive size)."""
+        return int(
+            group_alignment(
+                generations_per_prompt=self.ppo.num_generations_per_prompt,
+                actor_dp=self.dp_size("policy"),
+                critic_dp=self.dp_size("critic"),
+                actor_micro_batch=self.policy.train_micro_batch_size,
+                critic_micro_batch=self.critic.train_micro_batch_size,
+            )
+        )
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.ppo.num_prompts_per_step * self.ppo.num_generations_per_prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
