@@ -19,17 +19,12 @@ import pytest
 import torch
 from driver_testlib import TINY_RUN
 from ppo_driver import run as run_module
+from ppo_driver._rundir import _claim_contents
+from ppo_driver._signals import _Interrupt, _SignalGuard
 from ppo_driver.checkpoint import save_checkpoint
 from ppo_driver.cli import _parse, main
 from ppo_driver.config import default_config_path, load_config
-from ppo_driver.run import (
-    FAIL_POINTS,
-    RunLock,
-    StartupError,
-    _claim_contents,
-    _Interrupt,
-    _SignalGuard,
-)
+from ppo_driver.run import FAIL_POINTS, RunLock, StartupError
 from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, ModelSpec
 
 SPEC = ModelSpec(

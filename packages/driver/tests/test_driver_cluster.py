@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from ppo_driver._engines import _refit_backend
 from ppo_driver.config import load_config
-from ppo_driver.run import _refit_backend
 
 
 def _problems(*overrides: str) -> tuple[list[str], list[str]]:

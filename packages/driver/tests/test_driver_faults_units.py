@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 import ray
-from ppo_driver.run import _from_ray, _name_the_worker, describe_fault
+from ppo_driver._faults import _from_ray, _name_the_worker, describe_fault
+from ppo_driver.pair import TrainPair
+from ppo_driver.trace import TraceRecorder
 from ppo_driver.workers import TrainGroup, WorkerLost
+from ppo_lifecycle import ResidencyPlanner, Role
 
 
 def _raised_from(exc: BaseException, cause: BaseException) -> BaseException:
@@ -154,3 +157,27 @@ def test_a_dead_rank_seen_outside_its_group_is_named() -> None:
     assert _name_the_worker(engine, None) is engine
     other = OSError(28, "No space left on device")
     assert _name_the_worker(other, built) is other  # type: ignore[arg-type]
+
+
+def test_the_refit_names_a_dead_actor_rank_and_runs_once_the_actor_is_resident() -> None:
+    """``TrainPair.refit``: the weight transfer runs once the plan has made the actor
+    resident (here it already is: no transition), and a rank of the actor that dies
+    while it runs comes out as the group's :class:`WorkerLost`, not Ray's error."""
+    actor = _group("actor", ["a0", "a1"], [101, 102])
+    pair = TrainPair(actor, _group("critic", ["c0"], [201]), trace=TraceRecorder())
+    pair.planner = ResidencyPlanner(resident=Role.ACTOR)
+    assert pair.refit(0, lambda: "pushed") == "pushed"
+
+    def dies() -> None:
+        raise ray.exceptions.RayActorError(actor_id="a1", error_msg="died unexpectedly")
+
+    with pytest.raises(WorkerLost, match=r"the actor worker \(rank 1, pid 102 on 10.0.0.7\)"):
+        pair.refit(0, dies)
+    engine = ray.exceptions.RayActorError(actor_id="e0")  # an engine's: not the pair's
+
+    def engine_dies() -> None:
+        raise engine
+
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        pair.refit(0, engine_dies)
+    assert info.value is engine

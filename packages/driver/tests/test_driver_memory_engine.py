@@ -99,11 +99,11 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
                 )
             super().build()
 
-        def submit(self, method: str, **kwargs: Any) -> Any:
-            pending = super().submit(method, **kwargs)
+        def _start(self, options: Any, method: Any, *args: Any) -> Any:
+            pending = super()._start(options, method, *args)  # every call of the group
             if self.role != "actor":
                 return pending
-            return _Timed(pending, method, seen["windows"])
+            return _Timed(pending, method.__name__, seen["windows"])
 
     monkeypatch.setattr(run_module, "_launch_engines", launch)
     monkeypatch.setattr(run_module, "TrainGroup", RecordedGroup)

@@ -120,14 +120,14 @@ def _sleep_and_wake(group: TrainGroup, pid: int) -> dict[str, int]:
     parts = _on(group, _asleep_parts)
     if parts:  # asleep (the actor between steps): wake, then back to the same parts
         asleep = rss_bytes(pid)
-        group.call("wake_up")
+        group.call(group.worker_cls.wake_up)
         awake = rss_bytes(pid)
-        group.call("sleep", parts=parts)
+        group.call(group.worker_cls.sleep, parts=parts)
         return {"awake": awake, "asleep": asleep, "again": rss_bytes(pid)}
     awake = rss_bytes(pid)  # resident (the critic between steps): sleep, then wake
-    group.call("sleep", parts=ALL_PARTS)
+    group.call(group.worker_cls.sleep, parts=ALL_PARTS)
     asleep = rss_bytes(pid)
-    group.call("wake_up")
+    group.call(group.worker_cls.wake_up)
     return {"awake": awake, "asleep": asleep, "again": rss_bytes(pid)}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,9 +14,16 @@ import torch
 from driver_testlib import chunk_batch
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.pump import ChunkGate, NonFiniteError, check_finite_metrics
-from ppo_driver.workers import GroupResult, data_parallel_layout, mini_batch_order, shard_rows
+from ppo_driver.workers import (
+    NOW,
+    GroupResult,
+    TrainGroup,
+    data_parallel_layout,
+    mini_batch_order,
+    shard_rows,
+)
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
-from ppo_trainer import Mesh
+from ppo_trainer import ActorWorker, CriticWorker, Mesh
 
 
 def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> list[list[int]]:
@@ -205,3 +213,77 @@ def test_metric_reducer_keeps_non_finite_values_and_the_step_refuses_them() -> N
         check_finite_metrics(4, {"step": 4, **summed, "critic/grad_norm": float("nan")})
     assert "critic/grad_norm = nan, loss/value = inf" in str(info.value)
     assert info.value.step == 4
+
+
+def test_host_passes_positional_arguments_after_the_rows() -> None:
+    """A typed call's positional arguments (e.g. ``save_checkpoint(path)``) reach the
+    worker method after the rows, the per-sample tensors as keywords."""
+    from ppo_driver.workers import _Host
+
+    class _Worker(_EchoWorker):
+        def shift(self, rows: dict[str, torch.Tensor], by: float, *, scale: torch.Tensor) -> Any:
+            return rows["x"] * scale + by
+
+    threads = torch.get_num_threads()
+    try:
+        host = _Host(_Worker, None, 0, 1, None)
+        host.build()
+    finally:
+        torch.set_num_threads(threads)
+    rows, scale = {"x": torch.arange(3.0)}, {"scale": torch.full((3,), 2.0)}
+    out, _ = host.call("shift", rows, scale, {}, args=(10.0,))
+    assert out.tolist() == [10.0, 12.0, 14.0]
+
+
+def _unstarted_group(worker_cls: Any) -> TrainGroup[Any]:
+    """A group with no ranks (no Ray): what the checks before any Ray call see."""
+    group: TrainGroup[Any] = object.__new__(TrainGroup)
+    group.role, group.worker_cls, group.handles = "actor", worker_cls, []
+    group.meshes, group.leaders, group._dp_of = (
+        [
+            Mesh(
+                rank=0,
+                world_size=1,
+                dp_rank=0,
+                dp_size=1,
+                tp_size=1,
+                pp_size=1,
+                tp_rank=0,
+                pp_rank=0,
+            )
+        ],
+        [0],
+        [0],
+    )
+    return group
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        pytest.param(
+            lambda g: g.submit(NOW, CriticWorker.compute_values),
+            "CriticWorker.compute_values is not a method of ActorWorker",
+            id="another-workers-method",
+        ),
+        pytest.param(
+            lambda g: g.submit(NOW, ActorWorker.finish_step, wake_first=True),
+            "finish_step: pass wake_first / sleep_after as CallOptions",
+            id="lifecycle-as-a-keyword",
+        ),
+        pytest.param(
+            lambda g: g.submit(
+                NOW, ActorWorker.train_chunk, advantages=torch.zeros(2), loss_denominator=1.0
+            ),
+            r"train_chunk: per-sample tensors \['advantages'\] without rows",
+            id="per-sample-without-rows",
+        ),
+    ],
+)
+def test_a_group_call_the_type_checker_would_refuse_is_refused_before_ray(
+    call: Callable[[TrainGroup[Any]], object], message: str
+) -> None:
+    """The typed calls are checked by mypy; the same mistakes made past it (an untyped
+    caller, ``Any``) are refused at the call, naming the method, before Ray sees them."""
+    with pytest.raises(TypeError, match=message):
+        call(_unstarted_group(ActorWorker))

@@ -12,8 +12,9 @@ instant: each poll files the next group(s) the sampler admits).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from driver_testlib import TINY_RUN, chunk_batch
 from ppo_driver.batch import StepBatch
 from ppo_driver.config import DriverConfig, load_config, sampler_config
+from ppo_driver.pair import TrainPair
 from ppo_driver.pump import TrainPump
 from ppo_driver.rollout import (
     GroupOutput,
@@ -30,7 +32,8 @@ from ppo_driver.rollout import (
     build_batch,
 )
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import GroupResult, Rows
+from ppo_driver.workers import NOW, CallOptions, GroupResult, Rows
+from ppo_lifecycle import Action, Role, Transition
 from ppo_sampler import Sampler, make_sampler
 
 PAD = 0
@@ -50,6 +53,7 @@ class Call:
     step: int = -1  # the pump's completed_steps when it happened
     ready: int = 0  # rollout polls: groups that became ready
     args: tuple[tuple[str, object], ...] = ()  # the call's scalar keyword arguments
+    path: str = ""  # save_checkpoint / load_checkpoint: where
 
 
 @dataclass
@@ -84,7 +88,7 @@ class _Done:
     def __init__(self, value: Any, label: str) -> None:
         self.value, self.label = value, label
 
-    def result(self) -> GroupResult:
+    def result(self) -> GroupResult[Any]:
         return GroupResult(values=[self.value], timeline=[(self.label, 0.0, 0.0)])
 
 
@@ -98,16 +102,40 @@ class _Group:
         self.passes = 0
 
     def submit(
+        self, options: CallOptions, method: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> _Done:
+        return self._record(method.__name__, None, options, kwargs, args)
+
+    def submit_rows(
         self,
-        method: str,
-        *,
-        rows: Rows | None = None,
-        per_sample: Mapping[str, torch.Tensor] | None = None,
-        wake_first: object = False,
-        sleep_after: object = None,
-        after: Sequence[object] = (),
+        options: CallOptions,
+        method: Callable[..., Any],
+        rows: Rows,
+        /,
+        *args: Any,
         **kwargs: Any,
     ) -> _Done:
+        return self._record(method.__name__, rows, options, kwargs, args)
+
+    def build(self) -> None:
+        pump = self.world.pump
+        assert pump is not None
+        self.world.log.append(Call(self.role, "build", step=pump.completed_steps))
+        self.world.resident.add(self.role)  # a model just built is on the devices
+
+    def transition(self, t: Transition, *, after: Sequence[object] = ()) -> _Done:
+        method = "sleep" if t.action is Action.SLEEP else "wake_up"
+        return self._record(method, None, NOW, {"parts": t.parts}, ())
+
+    def _record(
+        self,
+        method: str,
+        rows: Rows | None,
+        options: CallOptions,
+        kwargs: dict[str, Any],
+        args: tuple[Any, ...],
+    ) -> _Done:
+        wake_first, sleep_after = options.wake_first, options.sleep_after
         pump = self.world.pump
         assert pump is not None
         scalars = tuple((k, v) for k, v in sorted(kwargs.items()) if isinstance(v, int | float))
@@ -119,6 +147,7 @@ class _Group:
                 sleep_after,
                 step=pump.completed_steps,
                 args=scalars,
+                path=args[0] if method in ("save_checkpoint", "load_checkpoint") else "",
             )
         )
         if wake_first or method == "wake_up":
@@ -141,7 +170,7 @@ class _Group:
             value = {"policy_forward_backward": float(self.passes)}
         elif method == "train":  # the critic's training: look around
             try:
-                pump.save_models(lambda role: None, step=pump.completed_steps)
+                pump.save_models(Path("ckpt"), step=pump.completed_steps)
                 refused = ""
             except RuntimeError as exc:
                 refused = str(exc)
@@ -160,8 +189,8 @@ class _Group:
             value = {"loss/value": 0.0}
         return _Done(value, f"{self.role}.{method}")
 
-    def call(self, method: str, **kwargs: Any) -> GroupResult:
-        return self.submit(method, **kwargs).result()
+    def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> GroupResult[Any]:
+        return self.submit(NOW, method, *args, **kwargs).result()
 
 
 class _Engines:
@@ -256,15 +285,20 @@ def _world(*extra: str) -> tuple[World, _Rollout]:
     engines = _Engines(world)
     engines.paused = cfg.cluster.colocate  # colocated engines start released
     rollout = _Rollout(world, sampler, engines)
+    trace = TraceRecorder()
+    pair = TrainPair(
+        _Group("actor", world, rollout, engines),  # type: ignore[arg-type]
+        _Group("critic", world, rollout, engines),  # type: ignore[arg-type]
+        trace=trace,
+    )
     world.pump = TrainPump(
         cfg,
-        actor=_Group("actor", world, rollout, engines),  # type: ignore[arg-type]
-        critic=_Group("critic", world, rollout, engines),  # type: ignore[arg-type]
+        pair=pair,
         rollout=rollout,
         generation=engines,
         sampler=sampler,
         pad_id=PAD,
-        trace=TraceRecorder(),
+        trace=trace,
     )
     return world, rollout
 
@@ -302,9 +336,11 @@ def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> 
         assert "save between steps" in seen.save_refused
         assert not seen.engines_paused  # generation has devices of its own: never paused
     assert all(c.what not in ("pause", "resume") for c in world.log)
-    saved: list[str] = []
-    world.pump.save_models(lambda role: saved.append(role.value), step=2)  # between steps
-    assert sorted(saved) == ["actor", "critic"]
+    before = len(world.log)
+    world.pump.save_models(Path("ckpt"), step=2)  # between steps
+    saved = [c for c in world.log[before:] if c.what == "save_checkpoint"]
+    assert sorted(c.who for c in saved) == ["actor", "critic"]
+    assert {c.who: c.path for c in saved} == {"actor": "ckpt/actor", "critic": "ckpt/critic"}
 
 
 @pytest.mark.timeout(120)  # the old pump never resumed released engines: a hang
@@ -351,7 +387,7 @@ def test_colocated_full_batch_time_shares_the_devices_with_generation() -> None:
         assert seen.claimed == report.group_ids and seen.completed_steps == step
         if step == 1:  # a checkpoint between steps: the engines release first
             before = len(world.log)
-            world.pump.save_models(lambda role: None, step=step + 1)
+            world.pump.save_models(Path("ckpt"), step=step + 1)
             assert world.log[before] == Call("generation", "pause", step=step + 1)
             assert rollout.engines.paused and world.resident == {"critic"}
     # never a model on the devices while the engines generate, never the engines
@@ -439,3 +475,30 @@ def test_no_short_batch_guard_checks_every_group_size() -> None:
         guard._check_batch(_step_batch([0, 0, 0, 1, 1, 1, 1]))
     with pytest.raises(AssertionError, match="a group was dropped or duplicated"):
         guard._check_batch(_step_batch([0, 0, 0, 0, 1, 1, 1, 2]))
+
+
+def test_start_builds_one_model_at_a_time_and_the_plan_puts_the_actor_to_sleep() -> None:
+    """``TrainPair.start``: the actor is built and loaded, then sleeps with every part
+    (the planner's ``release_all``, not a hand-written call), before the critic is built
+    and loaded; the planner then has the critic resident, as the pump's first step
+    expects. Two models are never resident at once."""
+    world, _ = _world(*STREAMING)
+    assert world.pump is not None
+    world.resident.clear()  # nothing is built yet
+    pair = world.pump.pair
+    pair.start(Path("ckpt"))
+    got = [(c.who, c.what, c.path) for c in world.log]
+    assert got == [
+        ("actor", "build", ""),
+        ("actor", "load_checkpoint", "ckpt/actor"),
+        ("actor", "sleep", ""),
+        ("critic", "build", ""),
+        ("critic", "load_checkpoint", "ckpt/critic"),
+    ]
+    assert world.log[2].wake_first is False and world.resident == {"critic"}
+    assert pair.resident is Role.CRITIC and pair.switches == 0
+    loaded = [e for e, _, _ in world.shared if e.endswith("load_checkpoint")]
+    assert loaded == ["actor.load_checkpoint", "critic.load_checkpoint"]
+    assert all(len(r) == 1 for e, r, _ in world.shared)  # one model resident at a time
+    report = world.pump.run_step()  # the first step runs from that state
+    assert world.pump.completed_steps == 1 and report.chunk_groups

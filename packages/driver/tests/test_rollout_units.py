@@ -593,3 +593,43 @@ def test_manager_files_groups_in_dispatch_order(
     ready = list(sampler.state_dict()["ready"])
     assert [g for g, _, _ in ready] == [g for ids in filed for g in ids]
     assert m.idle() and not m._held
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        pytest.param({"engines": []}, "needs at least one engine", id="no-engine"),
+        pytest.param({"prompts_per_step": 0}, r"prompts_per_step=0: use at least 1", id="step"),
+        pytest.param(
+            {"max_in_flight": 0}, "max_in_flight=0: allow at least one group", id="in-flight"
+        ),
+        pytest.param({"groups_per_call": 0}, r"groups_per_call=0: use at least 1", id="per-call"),
+        pytest.param(
+            {"reward_timeout_s": -1.0}, r"reward_timeout_s=-1.0: use seconds > 0", id="timeout"
+        ),
+        pytest.param(
+            {"max_consecutive_group_failures": 0},
+            r"max_consecutive_group_failures=0: use at least 1 \(None: never stop\)",
+            id="failures",
+        ),
+    ],
+)
+def test_rollout_manager_refuses_limits_that_cannot_work(
+    dataset: PromptDataset, limits: dict[str, Any], message: str
+) -> None:
+    """Each limit is refused at construction, naming it, its value and the fix."""
+    from ppo_driver.rollout import RolloutManager
+    from ppo_sampler import InOrderSampler
+
+    kwargs: dict[str, Any] = {
+        "engines": [object()],
+        "dataset": dataset,
+        "sampler": InOrderSampler(max_lookahead_versions=0),
+        "reward_fn": _fails_for_2,
+        "params": PARAMS,
+        "prompts_per_step": 2,
+        "max_in_flight": 2,
+        **limits,
+    }
+    with pytest.raises(ValueError, match=message):
+        RolloutManager(**kwargs)

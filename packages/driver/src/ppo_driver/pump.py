@@ -29,9 +29,10 @@ no trainer model is resident. They start released; each step then runs
     generation: engines resume (evaluation between steps runs on them); a checkpoint
             or an export between steps releases them again first
 
-The pump owns the plan: who is resident when (``ppo_lifecycle.ResidencyPlanner``, whose
-choice travels inside each worker call as ``wake_first`` / ``sleep_after``), when to
-refit, when a checkpoint may be taken. The workers own the mechanism.
+The pump owns the schedule: which phase comes next, when to refit, when a checkpoint may
+be taken. Who is resident when is decided in one place, the :class:`ppo_driver.pair.TrainPair`
+(``ppo_lifecycle.ResidencyPlanner``, whose choice travels inside each worker call as
+``wake_first`` / ``sleep_after``). The workers own the mechanism.
 
 Log lines (the document's way to verify chunking), for every chunk and every step::
 
@@ -46,32 +47,19 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from ppo_lifecycle import (
-    Action,
-    CallPlan,
-    Phase,
-    ResidencyPlanner,
-    Role,
-    Transition,
-    Work,
-)
+from ppo_lifecycle import Phase, Role
 from ppo_sampler import Sampler
 from ppo_trainer import Moments, gae, masked_moments, masked_whiten, whiten_with
 
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.config import DriverConfig
+from ppo_driver.pair import TrainPair
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import (
-    GroupResult,
-    Pending,
-    Rows,
-    Timeline,
-    TrainGroup,
-    mini_batch_order,
-)
+from ppo_driver.workers import Rows, mini_batch_order
 
 __all__ = [
     "ChunkGate",
@@ -192,25 +180,6 @@ class StepReport:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(eq=False)
-class _Queued:
-    """A transition started and not yet awaited."""
-
-    pending: Pending
-    label: str
-    step: int
-
-
-@dataclass
-class _Started:
-    """A worker call started, with the queued transitions it waits for."""
-
-    pending: Pending
-    deps: list[_Queued]
-    step: int
-    phase: str
-
-
 @dataclass
 class _StepState:
     """What one step gathers while it runs (the pump itself keeps only counters)."""
@@ -231,18 +200,20 @@ _CHUNK_KEYS = ("actor/valid_tokens", "loss/pg", "actor/clipfrac", "actor/approx_
 
 
 class TrainPump:
-    """Drives the actor group, the critic group and the rollout side through PPO steps.
+    """Drives the two models (a :class:`TrainPair`) and the rollout side through PPO
+    steps.
 
-    At construction the actor is asleep and the critic resident (the start-up order);
-    colocated engines are released (they start so).
+    The first step expects the pair started (``TrainPair.start``: the actor asleep, the
+    critic resident) and colocated engines released (they start so). The pump keeps the
+    schedule, the chunk gate, the generation feed and the metrics; every worker call and
+    residency switch is the pair's.
     """
 
     def __init__(
         self,
         cfg: DriverConfig,
         *,
-        actor: TrainGroup,
-        critic: TrainGroup,
+        pair: TrainPair,
         rollout: RolloutLink,
         generation: GenerationControl,
         sampler: Sampler,
@@ -252,8 +223,7 @@ class TrainPump:
         step_of: Callable[[int], int] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.actor, self.critic = actor, critic
-        self.groups = {Role.ACTOR: actor, Role.CRITIC: critic}
+        self.pair = pair
         self.rollout, self.generation = rollout, generation
         self.gate = ChunkGate(
             sampler,
@@ -263,13 +233,10 @@ class TrainPump:
         )
         self.pad_id = pad_id
         self.trace = trace
-        self.planner = ResidencyPlanner(resident=Role.CRITIC)
         self.completed_steps = 0
         self.weight_version = 0
         self.fail_at = fail_at
         self.in_update = False
-        # transitions started and not yet awaited, in order
-        self._queued: list[_Queued] = []
         self._counted: dict[str, float] = {}  # the actor's pass counters at the last step
         # True once this step's policy is final on the engines (after the early refit):
         # the next step's prompts may then be dispatched, overlapping critic training.
@@ -308,9 +275,7 @@ class TrainPump:
         if self.in_update:
             raise RuntimeError("export_policy inside an update: export between steps")
         self._release_engines()
-        weights = self._call(Role.ACTOR, Phase.REFIT, "export_weights", self.completed_steps)
-        exported: dict[str, torch.Tensor] = weights.values[0]
-        return exported
+        return self.pair.export_policy(step=self.completed_steps)
 
     # ---------------------------------------------------------------- one step
     def run_step(self) -> StepReport:
@@ -329,15 +294,15 @@ class TrainPump:
         cfg = self.cfg
         colocated = self.colocated
         s = _StepState(step, policy=step >= cfg.ppo.critic_warmup_steps)
-        t_step, switches = time.perf_counter(), self.planner.switches
+        t_step, switches = time.perf_counter(), self.pair.switches
         self.trace.take_step_totals()
         self.gate.begin_step(step)
         if colocated:  # generation's turn on the devices: no trainer model stays there
-            self._trainers_asleep(step)
+            self.pair.release_all(step)
             self._resume_engines()
         self.feed_generation()
         if not colocated:
-            self._switch(step, Phase.WAIT, Phase.VALUE_FORWARD)  # the critic, before the wait
+            self.pair.before(step, Phase.WAIT, Phase.VALUE_FORWARD)  # the critic, before the wait
         while self.gate.remaining > 0:
             chunk = self._next_chunk(s)
             if colocated and self.gate.remaining == 0:  # generated: the trainers' turn
@@ -345,8 +310,8 @@ class TrainPump:
             with self.trace.span(f"chunk {len(s.chunks)}", step=step, phase="chunk"):
                 self._train_chunk(s, chunk, more=self.gate.remaining > 0)
             if self.gate.remaining > 0:  # the critic wakes while the pump waits
-                self._switch(step, Phase.WAIT, Phase.VALUE_FORWARD, wait=False)
-        self._settle()
+                self.pair.before(step, Phase.WAIT, Phase.VALUE_FORWARD, wait=False)
+        self.pair.settle()
         log.info("train_pump: step %d closing on %d chunk(s)", step, len(s.chunks))
         self._maybe_fail("after_chunks", step)
         batch = StepBatch.assemble(s.chunks, pad_id=self.pad_id, group_sizes=s.chunk_groups)
@@ -412,14 +377,11 @@ class TrainPump:
             after_values = (Phase.WAIT, Phase.VALUE_FORWARD)
         else:
             after_values = (Phase.POLICY_FORWARD if s.policy else Phase.CRITIC_TRAIN,)
-        plan = self._plan(Role.CRITIC, Phase.VALUE_FORWARD, s.step, then=after_values)
-        started = self._submit(
-            plan, Role.CRITIC, Phase.VALUE_FORWARD, "compute_values", s.step, rows=rows
-        )
+        values = self.pair.values(rows, step=s.step, then=after_values)
         if backward:  # queues the critic's sleep now, behind its forward
             then = () if more else (Phase.POLICY_UPDATE,)
-            actor_plan = self._plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step, then=then)
-        chunk.old_values = self._result(started).tensor()
+            actor_plan = self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step, then=then)
+        chunk.old_values = values.result().tensor()
         advantages, chunk.returns = gae(
             rewards=chunk.rewards,
             values=chunk.old_values,
@@ -429,21 +391,15 @@ class TrainPump:
         )
         chunk.advantages = self._normalize(s, advantages, chunk.loss_mask)
         if backward:
-            started = self._submit(
+            trained = self.pair.train_chunk(
                 actor_plan,
-                Role.ACTOR,
-                Phase.POLICY_BACKWARD,
-                "train_chunk",
-                s.step,
-                rows=rows,
-                per_sample={
-                    "advantages": chunk.advantages,
-                    "engine_logprobs": chunk.engine_logprobs,
-                },
+                rows,
+                advantages=chunk.advantages,
+                engine_logprobs=chunk.engine_logprobs,
                 loss_denominator=s.denominator,
                 keep=ppo.ppo_epochs > 1,  # the rank keeps the chunk for epochs 2..K
             )
-            s.chunk_metrics.append(self._result(started).summed())
+            s.chunk_metrics.append(trained.result().summed())
         s.chunks.append(chunk)
 
     def _normalize(
@@ -478,20 +434,15 @@ class TrainPump:
         final = None if s.final else batch.valid_tokens()
         if self._logprob_pass:
             return self._full_batch_epochs(s, batch, final=final)
-        update = self._call(
-            Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
-        ).reduced()
+        update = self.pair.finish_step(step=s.step, loss_denominator=final)
         epochs = self.cfg.ppo.ppo_epochs - 1
         if not epochs:
             return update
-        return self._call(  # epochs 2..K over the chunks the actor ranks kept
-            Role.ACTOR,
-            Phase.POLICY_UPDATE,
-            "train_epochs",
-            s.step,
+        return self.pair.train_epochs(  # epochs 2..K over the chunks the actor ranks kept
+            step=s.step,
             epochs=epochs,
             loss_denominator=s.denominator if final is None else final,
-        ).reduced()
+        )
 
     def _full_batch_epochs(
         self, s: _StepState, batch: StepBatch, *, final: float | None
@@ -499,33 +450,21 @@ class TrainPump:
         """Full batch, K > 1 epochs: the old log-probs from a separate forward, then one
         forward + backward and one update per epoch over the whole batch."""
         rows = Rows(batch.model_inputs())
-        old = self._call(
-            Role.ACTOR,
-            Phase.POLICY_FORWARD,
-            "compute_logprobs",
-            s.step,
-            then=(Phase.POLICY_BACKWARD,),
-            rows=rows,
-        ).tensor()
+        old = self.pair.logprobs(rows, step=s.step, then=(Phase.POLICY_BACKWARD,))
         update: dict[str, float] = {}
         for epoch in range(self.cfg.ppo.ppo_epochs):
-            per_sample = {"advantages": batch.need("advantages"), "old_logprobs": old}
-            if epoch == 0:  # the engine-vs-trainer gap, measured once
-                per_sample["engine_logprobs"] = batch.engine_logprobs
-            out = self._call(
-                Role.ACTOR,
-                Phase.POLICY_BACKWARD,
-                "train_chunk",
-                s.step,
-                rows=rows,
-                per_sample=per_sample,
+            out = self.pair.train_chunk(
+                self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step),
+                rows,
+                advantages=batch.need("advantages"),
+                old_logprobs=old,
+                # the engine-vs-trainer gap, measured once
+                engine_logprobs=batch.engine_logprobs if epoch == 0 else None,
                 loss_denominator=s.denominator,
-            )
+            ).result()
             if epoch == 0:
                 s.chunk_metrics.append(out.summed())
-            update = self._call(
-                Role.ACTOR, Phase.POLICY_UPDATE, "finish_step", s.step, loss_denominator=final
-            ).reduced()
+            update = self.pair.finish_step(step=s.step, loss_denominator=final)
         return update
 
     def _refit_trained(self, s: _StepState) -> None:
@@ -535,11 +474,14 @@ class TrainPump:
 
     def _refit(self, step: int, *, version: int) -> float:
         """The engines get the actor's weights as ``version``; returns the seconds."""
-        self._switch(step, Phase.REFIT)
-        start = time.perf_counter()
-        with self.trace.span("refit", step=step, phase="refit"):
-            self.generation.refit(version=version)
-        return time.perf_counter() - start
+
+        def push() -> float:  # once the plan has made the actor resident
+            start = time.perf_counter()
+            with self.trace.span("refit", step=step, phase="refit"):
+                self.generation.refit(version=version)
+            return time.perf_counter() - start
+
+        return self.pair.refit(step, push)
 
     def _critic_train(
         self, s: _StepState, batch: StepBatch, *, colocated: bool
@@ -549,27 +491,24 @@ class TrainPump:
         follows, both trainers sleep, and the engines take the devices back."""
         ppo = self.cfg.ppo
         self._maybe_fail("before_critic", s.step)
-        per_rank = ppo.critic_mini_batch_size // self.critic.dp_size  # divides: validate
+        dp_size = self.pair.critic.dp_size
+        per_rank = ppo.critic_mini_batch_size // dp_size  # divides: validate
         # the same global mini-batches whatever the data-parallel size
-        order = mini_batch_order(batch.size, self.critic.dp_size, per_rank)
-        frozen = {"returns": batch.need("returns"), "old_values": batch.need("old_values")}
-        out = self._call(
-            Role.CRITIC,
-            Phase.CRITIC_TRAIN,
-            "train",
-            s.step,
-            rows=Rows({k: v[order] for k, v in batch.model_inputs().items()}),
-            per_sample={k: v[order] for k, v in frozen.items()},
+        order = mini_batch_order(batch.size, dp_size, per_rank)
+        out = self.pair.train_critic(
+            Rows({k: v[order] for k, v in batch.model_inputs().items()}),
+            step=s.step,
+            returns=batch.need("returns")[order],
+            old_values=batch.need("old_values")[order],
             epochs=ppo.critic_ppo_epochs,
             mini_batch_size=per_rank,
         )
         if colocated:
             if s.policy:
                 self._refit_trained(s)
-            self._trainers_asleep(s.step)
+            self.pair.release_all(s.step)
             self._resume_engines()
-        summed = out.summed()
-        return {k: v / len(out.values) for k, v in summed.items()}
+        return out
 
     # ---------------------------------------------------------------- residency
     def _release_engines(self) -> None:
@@ -581,108 +520,25 @@ class TrainPump:
 
     def _resume_engines(self) -> None:
         """Colocated: the engines take their memory back and generate (no trainer model
-        is resident: :meth:`_trainers_asleep` first)."""
+        is resident: ``TrainPair.release_all`` first)."""
         if self.engines_released:
-            assert self.planner.resident is None, self.planner
+            assert self.pair.resident is None, self.pair.planner
             self.generation.resume()
             self.engines_released = False
 
-    def _trainers_asleep(self, step: int) -> None:
-        """Colocated, between steps: the resident model (if any) sleeps with all its
-        parts (the planner's ``release_all``), leaving the devices to the engines."""
-        self._execute(self.planner.release_all(), step)
-
-    def _call(
-        self,
-        role: Role,
-        phase: Phase,
-        method: str,
-        step: int,
-        *,
-        then: Sequence[Phase] = (),
-        **kwargs: Any,
-    ) -> GroupResult:
-        """One worker call of ``role`` for ``phase``, carrying the plan's transitions."""
-        plan = self._plan(role, phase, step, then=then)
-        return self._result(self._submit(plan, role, phase, method, step, **kwargs))
-
-    def _plan(self, role: Role, phase: Phase, step: int, *, then: Sequence[Phase] = ()) -> CallPlan:
-        """The planner's choice for one call of ``role``; the transitions it puts before
-        the call that the call does not carry (the other model's sleep) are queued."""
-        plan = self.planner.call(role, phase, then=then)
-        for t in plan.before:
-            self._queue(t, step)
-        return plan
-
-    def _submit(
-        self, plan: CallPlan, role: Role, phase: Phase, method: str, step: int, **kwargs: Any
-    ) -> _Started:
-        """Start the call ``plan`` was made for; it starts once every transition queued
-        so far has finished (Ray holds it back; the driver goes on)."""
-        deps = list(self._queued)
-        pending = self.groups[role].submit(
-            method,
-            wake_first=plan.wake_parts if plan.wake_first else False,
-            sleep_after=plan.sleep_after,
-            after=[q.pending for q in deps],
-            **kwargs,
-        )
-        return _Started(pending, deps, step, _PHASE_OF.get(phase, str(phase)))
-
-    def _result(self, started: _Started) -> GroupResult:
-        """Wait for a started call; the transitions it waited for are done: trace them."""
-        result = started.pending.result()
-        self._settle(started.deps)
-        self._trace_timeline(result.timeline, started.step, phase=started.phase)
-        return result
-
-    def _switch(self, step: int, *phases: Phase, wait: bool = True) -> None:
-        """Run the transitions the plan puts before ``phases`` (normally none: calls carry
-        them). ``wait=False``: queued (e.g. the actor's sleep and the critic's wake-up
-        while the pump waits for the next chunk); the next worker call waits for them."""
-        self._execute(self.planner.before(*phases), step, wait=wait)
-
-    def _queue(self, t: Transition, step: int) -> None:
-        """Start ``t`` once every transition queued before it has finished: one model's
-        sleep always ends before the other's wake-up starts, without the driver waiting."""
-        method = "sleep" if t.action is Action.SLEEP else "wake_up"
-        after = [q.pending for q in self._queued]
-        pending = self.groups[t.role].submit(method, parts=t.parts, after=after)
-        self._queued.append(_Queued(pending, str(t), step))
-
-    def _execute(self, transitions: Sequence[Transition], step: int, *, wait: bool = True) -> None:
-        """Queue ``transitions`` in order; ``wait``: and wait for everything queued."""
-        for t in transitions:
-            self._queue(t, step)
-        if wait:
-            self._settle()
-
-    def _settle(self, done: Sequence[_Queued] | None = None) -> None:
-        """Wait for queued transitions (``done``, default all; surfaces their errors)
-        and trace them."""
-        todo = list(self._queued) if done is None else list(done)
-        self._queued = [q for q in self._queued if q not in todo]
-        for q in todo:
-            result = q.pending.result()
-            self._trace_timeline([(q.label, *result.timeline[0][1:])], q.step, "switch")
-
-    def save_models(self, save: Callable[[Role], object], *, step: int) -> None:
-        """Checkpoint both models in the plan's order (resident one first), ending with
-        the critic resident. Refused inside an update: the checkpoint exclusion covers
-        the whole update, from the step's first chunk through critic training."""
+    def save_models(self, directory: Path, *, step: int) -> None:
+        """Checkpoint both models under ``directory`` (``actor/``, ``critic/``) in the
+        plan's order (resident one first), ending with the critic resident. Refused
+        inside an update: the checkpoint exclusion covers the whole update, from the
+        step's first chunk through critic training."""
         if self.in_update:
             raise RuntimeError(
                 f"save_models inside step {self.completed_steps}'s update: a checkpoint "
                 "excludes the whole update (through critic training); save between steps"
             )
-        self._settle()
+        self.pair.settle()
         self._release_engines()  # colocated: the models wake on the engines' devices
-        for item in self.planner.checkpoint(end_resident=Role.CRITIC):
-            if isinstance(item, Work):
-                assert item.role is not None
-                save(item.role)
-            else:
-                self._execute([item], step)
+        self.pair.save(directory, step=step)
 
     # ---------------------------------------------------------------- generation feed
     def feed_generation(self, timeout_s: float = 0.0) -> int:
@@ -757,19 +613,6 @@ class TrainPump:
                 "per prompt: samples moved between groups, dropped or duplicated"
             )
 
-    def _trace_timeline(self, timeline: Timeline, step: int, phase: str) -> None:
-        """A call's parts (rank 0's wall-clock times), placed on the driver's timeline."""
-        shift = time.perf_counter() - time.time()
-        for label, t0, t1 in timeline:
-            is_switch = ".sleep" in label or ".wake_up" in label
-            self.trace.add(
-                label,
-                start_s=t0 + shift,
-                end_s=t1 + shift,
-                step=step,
-                phase="switch" if is_switch else phase,
-            )
-
     def _trace_generation(self, step: int) -> None:
         window = self._gen_window.pop(step, None)
         if window is not None:
@@ -802,7 +645,7 @@ class TrainPump:
             "rollout/response_len_mean": float(batch.loss_mask.sum(dim=1).mean()),
             "train/chunks": len(s.chunk_groups),
             "train/chunk_groups": s.chunk_groups,
-            "train/switches": self.planner.switches - switches,
+            "train/switches": self.pair.switches - switches,
             "perf/step_s": step_s,
             "perf/wait_s": s.waited,
             "perf/idle_frac": s.waited / step_s if step_s > 0 else 0.0,
@@ -811,7 +654,7 @@ class TrainPump:
         for phase, seconds in totals.items():
             out.setdefault(f"perf/{phase}_s", seconds)
         if s.policy:  # the actor's passes over this step's samples (1 while streaming)
-            counts = self.actor.call("counters").summed()
+            counts = self.pair.actor_counters()
             done = {k: v - self._counted.get(k, 0.0) for k, v in counts.items()}
             self._counted = counts
             forwards = done.get("policy_forward", 0.0) + done.get("policy_forward_backward", 0.0)
@@ -827,16 +670,6 @@ class TrainPump:
         return out
 
 
-_PHASE_OF = {
-    Phase.VALUE_FORWARD: "value",
-    Phase.POLICY_FORWARD: "logprob",
-    Phase.POLICY_BACKWARD: "backward",
-    Phase.POLICY_UPDATE: "update",
-    Phase.CRITIC_TRAIN: "critic",
-    Phase.REFIT: "export",  # the actor's weights read between steps (the HF export)
-}
-
-
 def _moments(valid: Sequence[torch.Tensor]) -> Moments:
     """The statistics of a step's valid raw advantages, taken in the step batch's order
     (the chunks' concatenation: the same numbers in the same order as one full batch)."""
@@ -844,7 +677,7 @@ def _moments(valid: Sequence[torch.Tensor]) -> Moments:
     return masked_moments(values=values, mask=torch.ones_like(values))
 
 
-def check_finite_metrics(step: int, metrics: Mapping[str, Any]) -> None:
+def check_finite_metrics(step: int, metrics: Mapping[str, object]) -> None:
     """Refuse a step whose numbers are not all finite (a NaN or inf is never dropped or
     written as a gap): raises :class:`NonFiniteError` naming the step and every key
     (list values, e.g. per-chunk numbers, are checked element by element)."""
@@ -854,7 +687,7 @@ def check_finite_metrics(step: int, metrics: Mapping[str, Any]) -> None:
         raise NonFiniteError(step, f"non-finite metric(s): {listed}; the step is not recorded")
 
 
-def _numbers(metrics: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
+def _numbers(metrics: Mapping[str, object]) -> Iterator[tuple[str, float]]:
     for k, v in metrics.items():
         values = v if isinstance(v, list) else [v]
         for i, x in enumerate(values):

@@ -9,7 +9,13 @@ are split over the data-parallel ranks only, the tensor/pipeline peers of one
 data-parallel rank get the same rows, and each result is taken from one rank per
 data-parallel group. A call runs on every rank (collectives such as the weight export
 need all of them). The group decides nothing: when to sleep, wake, save or refit is
-the pump's plan, passed into each call as ``wake_first`` / ``sleep_after``.
+the plan's (``ppo_driver.pair.TrainPair``), passed into each call as
+:class:`CallOptions` (``wake_first`` / ``sleep_after``).
+
+A call names the worker class's method itself, not a string: ``TrainGroup[W].submit``
+takes a ``Callable[Concatenate[W, P], R]`` and ``*args: P.args, **kwargs: P.kwargs``,
+so the type checker refuses a method the worker class does not have, an argument the
+method does not take or one of the wrong type, and types the result as ``R``.
 """
 
 from __future__ import annotations
@@ -19,19 +25,21 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import ray
 import torch
-from ppo_lifecycle import Part
+from ppo_lifecycle import Action, Part, Transition
 from ppo_placement import Slot
 from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, Mesh
 from torch import Tensor
 
 __all__ = [
+    "NOW",
     "PROJECT_LOGGERS",
+    "CallOptions",
     "GroupResult",
     "Pending",
     "Rows",
@@ -54,6 +62,12 @@ _WORKER_ENV = {
 }
 
 Timeline = list[tuple[str, float, float]]
+
+W = TypeVar("W", bound=ActorWorker | CriticWorker)
+"""The worker class of a group: its methods are what the group's calls may name."""
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 
 def shard_rows(rows: int, dp_size: int) -> list[slice]:
@@ -104,20 +118,21 @@ class Rows:
         return self._refs[dp_size]
 
 
-@dataclass
-class GroupResult:
+@dataclass(frozen=True)
+class GroupResult(Generic[R_co]):
     """One call's results: ``values`` one per data-parallel rank (from its first rank),
-    in data-parallel order; ``timeline``: rank 0's (label, start, end) wall-clock times
-    of the call's parts (wake-up, the work, the sleep)."""
+    in data-parallel order, typed as the worker method returns them; ``timeline``: rank
+    0's (label, start, end) wall-clock times of the call's parts (wake-up, the work, the
+    sleep)."""
 
-    values: list[Any]
+    values: Sequence[R_co]
     timeline: Timeline = field(default_factory=list)
 
-    def tensor(self) -> Tensor:
+    def tensor(self: GroupResult[Tensor]) -> Tensor:
         """Per-sample results (``[B_d, ...]`` per rank) back in the batch's row order."""
-        return torch.cat(self.values, dim=0)
+        return torch.cat(list(self.values), dim=0)
 
-    def summed(self) -> dict[str, float]:
+    def summed(self: GroupResult[Mapping[str, float]]) -> dict[str, float]:
         """Per-key sums over the data-parallel ranks (non-finite values are kept)."""
         out: dict[str, float] = {}
         for row in self.values:
@@ -126,7 +141,7 @@ class GroupResult:
                     out[k] = out.get(k, 0.0) + float(v)
         return out
 
-    def reduced(self) -> dict[str, float]:
+    def reduced(self: GroupResult[Mapping[str, float]]) -> dict[str, float]:
         """Numbers every rank computed alike (already all-reduced): data-parallel rank 0's."""
         return {k: float(v) for k, v in self.values[0].items()}
 
@@ -180,21 +195,51 @@ class WorkerLost(RuntimeError):
         )
 
 
-@dataclass
-class Pending:
+@dataclass(frozen=True)
+class Pending(Generic[R_co]):
     """A call started on every rank; :meth:`result` waits for it (``refs`` may order
-    later calls: see ``TrainGroup.submit(after=...)``)."""
+    later calls: see :attr:`CallOptions.after`). ``leaders``: the rank whose result
+    stands for each data-parallel rank; ``lost``: the group's way to name a dead rank."""
 
-    group: TrainGroup
-    refs: list[ray.ObjectRef[tuple[Any, Timeline]]]
+    refs: Sequence[ray.ObjectRef[tuple[R_co, Timeline]]]
+    leaders: Sequence[int]
+    lost: Callable[[ray.exceptions.RayActorError], WorkerLost]
 
-    def result(self) -> GroupResult:
+    def result(self) -> GroupResult[R_co]:
         try:
-            per_rank = ray.get(self.refs)
+            per_rank = ray.get(list(self.refs))
         except ray.exceptions.RayActorError as exc:
-            raise self.group.lost(exc) from exc
-        leaders = self.group.leaders
-        return GroupResult(values=[per_rank[r][0] for r in leaders], timeline=list(per_rank[0][1]))
+            raise self.lost(exc) from exc
+        return GroupResult(
+            values=[per_rank[r][0] for r in self.leaders], timeline=list(per_rank[0][1])
+        )
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The driver's choice for one group call, which the worker carries out around the
+    work: ``wake_first`` (``True``: every part, or the parts to wake) and
+    ``sleep_after`` (the parts to put to sleep once the work succeeded): the plan's
+    lifecycle choice; ``after``: calls (of this group or another) that must finish
+    before this one starts. Ray holds the call back until they have, so the driver need
+    not wait for them (a wake-up queued behind the other model's sleep)."""
+
+    wake_first: bool | frozenset[Part] = False
+    sleep_after: frozenset[Part] | None = None
+    after: Sequence[Pending[object]] = ()
+
+    def lifecycle(self) -> dict[str, bool | frozenset[Part]]:
+        """The keyword arguments the worker method gets for them (none when unset)."""
+        out: dict[str, bool | frozenset[Part]] = {}
+        if self.wake_first is not False:
+            out["wake_first"] = self.wake_first
+        if self.sleep_after is not None:
+            out["sleep_after"] = self.sleep_after
+        return out
+
+
+NOW = CallOptions()
+"""No lifecycle transition around the call, nothing to wait for."""
 
 
 class _Host:
@@ -229,14 +274,16 @@ class _Host:
         per_sample: dict[str, Tensor],
         kwargs: dict[str, Any],
         *after: object,
+        args: tuple[object, ...] = (),
     ) -> tuple[Any, Timeline]:
-        """``worker.<method>(rows, **per_sample, **kwargs)``; returns (result, timeline).
+        """``worker.<method>(rows, *args, **per_sample, **kwargs)``; returns (result,
+        timeline).
 
         ``after``: results of earlier calls (on any process) that Ray resolves before
         this call starts; their values are not used (they only order the calls)."""
-        args = () if rows is None else (rows,)
+        first = () if rows is None else (rows,)
         t0 = time.time()
-        result = getattr(self.worker, method)(*args, **per_sample, **kwargs)
+        result = getattr(self.worker, method)(*first, *args, **per_sample, **kwargs)
         t1 = time.time()
         recorded = getattr(self.worker, "last_timeline", None)
         timeline: Timeline = list(recorded()) if callable(recorded) else []
@@ -256,18 +303,23 @@ class _Host:
         return self.worker.export_weights()
 
 
-class TrainGroup:
-    """The ranks of one model (``role`` is ``"actor"`` or ``"critic"``).
+class TrainGroup(Generic[W]):
+    """The ranks of one model (``role`` is ``"actor"`` or ``"critic"``), running
+    ``worker_cls`` (``ppo_trainer.ActorWorker`` or ``CriticWorker``).
 
     Construction starts one process per rank; :meth:`build` builds the models (the
     driver builds one model, puts it to sleep, then builds the other: two full models
     never need to fit at once).
+
+    A call names the worker class's method itself (``group.submit(NOW,
+    CriticWorker.compute_values, ...)``), not its name: the type checker then checks
+    the method and its arguments against the worker class.
     """
 
     def __init__(
         self,
         role: str,
-        worker_cls: Callable[..., ActorWorker | CriticWorker],
+        worker_cls: type[W],
         config: ActorConfig | CriticConfig,
         *,
         slots: Sequence[Slot],
@@ -277,6 +329,7 @@ class TrainGroup:
         ``actor_options()`` give the GPU/CPU share and the bundle). ``log_file``:
         ``(path, level)``: the ranks' lines of :data:`PROJECT_LOGGERS` go there."""
         self.role = role
+        self.worker_cls = worker_cls
         self.world_size = len(slots)
         # the data-parallel rendezvous listens on rank 0's node
         init = f"tcp://{slots[0].node_ip}:{free_port()}" if self.world_size > 1 else None
@@ -324,61 +377,83 @@ class TrainGroup:
 
     def submit(
         self,
-        method: str,
-        *,
-        rows: Rows | None = None,
-        per_sample: Mapping[str, Tensor] | None = None,
-        wake_first: bool | Iterable[Part] = False,
-        sleep_after: Iterable[Part] | None = None,
-        after: Sequence[Pending] = (),
-        **kwargs: Any,
-    ) -> Pending:
-        """Start ``method`` on every rank as ONE Ray call each.
+        options: CallOptions,
+        method: Callable[Concatenate[W, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Pending[R]:
+        """Start ``method(*args, **kwargs)`` of every rank's worker as ONE Ray call each,
+        with ``options`` (the plan's lifecycle choice and the calls it waits for)."""
+        return self._start(options, method, None, args, dict(kwargs))
 
-        ``rows``: the batch; rank ``r`` gets the rows of its data-parallel rank (its
-        tensor/pipeline peers the same ones). ``per_sample``: further ``[B, ...]``
-        tensors, split the same way. ``wake_first`` (``True``: every part, or the parts
-        to wake) / ``sleep_after``: the plan's lifecycle choice, carried out by the
-        worker around the work. ``after``: calls (of this group or another) that must
-        finish before this one starts; Ray holds the call back until they have, so the
-        driver need not wait for them (a wake-up queued behind the other model's sleep).
-        """
-        if rows is not None or per_sample:
-            size = rows.size if rows is not None else _rows_of(per_sample or {})
-            shards = shard_rows(size, self.dp_size)
-        lifecycle: dict[str, Any] = {}
-        if wake_first is True:
-            lifecycle["wake_first"] = True
-        elif wake_first is not False:
-            lifecycle["wake_first"] = frozenset(wake_first)
-        if sleep_after is not None:
-            lifecycle["sleep_after"] = frozenset(sleep_after)
-        refs = []
-        before = [ref for p in after for ref in p.refs]
+    def submit_rows(
+        self,
+        options: CallOptions,
+        method: Callable[Concatenate[W, Mapping[str, Tensor], P], R],
+        rows: Rows,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Pending[R]:
+        """:meth:`submit` of a method whose first argument is the batch: rank ``r`` gets
+        the rows of its data-parallel rank (its tensor/pipeline peers the same ones).
+        Every tensor keyword argument is per sample (``[B, ...]``) and split the same
+        way: one object per data-parallel shard, read by its tensor / pipeline peers
+        alike (critic values reach the actor ranks as Ray object references)."""
+        return self._start(options, method, rows, args, dict(kwargs))
+
+    def call(
+        self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> GroupResult[R]:
+        """:meth:`submit` with no lifecycle choice, and wait."""
+        return self._start(NOW, method, None, args, dict(kwargs)).result()
+
+    def transition(self, t: Transition, *, after: Sequence[Pending[object]] = ()) -> Pending[None]:
+        """The worker's ``sleep`` or ``wake_up`` of ``t.parts`` as its own call."""
+        method = self.worker_cls.sleep if t.action is Action.SLEEP else self.worker_cls.wake_up
+        return self.submit(CallOptions(after=after), method, parts=t.parts)
+
+    def _start(
+        self,
+        options: CallOptions,
+        method: Callable[..., R],
+        rows: Rows | None,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> Pending[R]:
+        name = method.__name__
+        if getattr(self.worker_cls, name, None) is not method:
+            raise TypeError(f"{method.__qualname__} is not a method of {self.worker_cls.__name__}")
+        if kwargs.keys() & {"wake_first", "sleep_after"}:
+            raise TypeError(f"{name}: pass wake_first / sleep_after as CallOptions")
+        per_sample = {k: v for k, v in kwargs.items() if isinstance(v, Tensor)}
+        if rows is None and per_sample:
+            raise TypeError(f"{name}: per-sample tensors {sorted(per_sample)} without rows")
+        plain = {k: v for k, v in kwargs.items() if k not in per_sample}
+        plain.update(options.lifecycle())
         rows_refs = rows.shards(self.dp_size) if rows is not None else None
-        # one object per data-parallel shard, read by its tensor / pipeline peers alike
-        # (critic values reach the actor ranks as Ray object references)
         sample_refs = (
-            [ray.put({k: v[s].contiguous() for k, v in per_sample.items()}) for s in shards]
-            if per_sample
+            [
+                ray.put({k: t[s].contiguous() for k, t in per_sample.items()})
+                for s in shard_rows(rows.size, self.dp_size)
+            ]
+            if rows is not None and per_sample
             else None
         )
-        for rank, handle in enumerate(self.handles):
-            dp = self._dp_of[rank]
-            refs.append(
-                handle.call.remote(
-                    method,
-                    rows_refs[dp] if rows_refs is not None else None,
-                    sample_refs[dp] if sample_refs is not None else {},
-                    {**kwargs, **lifecycle},
-                    *before,
-                )
+        before = [ref for p in options.after for ref in p.refs]
+        refs: list[ray.ObjectRef[tuple[R, Timeline]]] = [
+            handle.call.remote(
+                name,
+                rows_refs[dp] if rows_refs is not None else None,
+                sample_refs[dp] if sample_refs is not None else {},
+                plain,
+                *before,
+                args=args,
             )
-        return Pending(self, refs)
-
-    def call(self, method: str, **kwargs: Any) -> GroupResult:
-        """:meth:`submit` and wait."""
-        return self.submit(method, **kwargs).result()
+            for handle, dp in zip(self.handles, self._dp_of, strict=True)
+        ]
+        return Pending(refs, self.leaders, self.lost)
 
     def kill(self, *, grace_s: float = 10.0) -> None:
         """End every rank: it exits by itself once its current call returns (within

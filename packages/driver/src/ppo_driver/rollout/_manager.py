@@ -77,6 +77,33 @@ class _Call:
     groups: list[tuple[int, int]]  # (group id, step)
 
 
+def _check_limits(
+    *,
+    engines: int,
+    prompts_per_step: int,
+    max_in_flight: int,
+    groups_per_call: int,
+    reward_timeout_s: float | None,
+    max_consecutive_group_failures: int | None,
+) -> None:
+    """Refuse a :class:`RolloutManager` limit that cannot work, naming it and the fix."""
+    if not engines:
+        raise ValueError("RolloutManager needs at least one engine")
+    if prompts_per_step < 1:
+        raise ValueError(f"prompts_per_step={prompts_per_step}: use at least 1")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight={max_in_flight}: allow at least one group in flight")
+    if groups_per_call < 1:
+        raise ValueError(f"groups_per_call={groups_per_call}: use at least 1")
+    if reward_timeout_s is not None and not reward_timeout_s >= 0:
+        raise ValueError(f"reward_timeout_s={reward_timeout_s}: use seconds > 0, or 0 for no limit")
+    if max_consecutive_group_failures is not None and max_consecutive_group_failures < 1:
+        raise ValueError(
+            f"max_consecutive_group_failures={max_consecutive_group_failures}: use at "
+            "least 1 (None: never stop)"
+        )
+
+
 class RolloutManager:
     """Drives generation for the train pump.
 
@@ -122,23 +149,14 @@ class RolloutManager:
         max_consecutive_group_failures: int | None = 32,
         file_in_dispatch_order: bool = False,
     ) -> None:
-        if not engines:
-            raise ValueError("RolloutManager needs at least one engine")
-        if prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step={prompts_per_step}: use at least 1")
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight={max_in_flight}: allow at least one group in flight")
-        if groups_per_call < 1:
-            raise ValueError(f"groups_per_call={groups_per_call}: use at least 1")
-        if reward_timeout_s is not None and not reward_timeout_s >= 0:
-            raise ValueError(
-                f"reward_timeout_s={reward_timeout_s}: use seconds > 0, or 0 for no limit"
-            )
-        if max_consecutive_group_failures is not None and max_consecutive_group_failures < 1:
-            raise ValueError(
-                f"max_consecutive_group_failures={max_consecutive_group_failures}: use at "
-                "least 1 (None: never stop)"
-            )
+        _check_limits(
+            engines=len(engines),
+            prompts_per_step=prompts_per_step,
+            max_in_flight=max_in_flight,
+            groups_per_call=groups_per_call,
+            reward_timeout_s=reward_timeout_s,
+            max_consecutive_group_failures=max_consecutive_group_failures,
+        )
         self.engines = list(engines)
         self.dataset = dataset
         self.sampler = sampler

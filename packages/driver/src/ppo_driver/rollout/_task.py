@@ -489,19 +489,7 @@ def score_group(
                 record=copy.deepcopy(record),
                 finish_reason=sample.finish_reason,
             )
-            try:
-                result = call() if limit is None else _reward_thread().call(call, timeout_s=limit)
-            except _Overran:
-                raise RewardError(
-                    f"reward {name} did not return within {limit:g} s for prompt {prompt} "
-                    f"sample {j} (rollout.reward_timeout_s); the call is abandoned and runs "
-                    "on in the background (a thread cannot be killed)"
-                ) from None
-            except Exception as exc:
-                raise RewardError(
-                    f"reward {name} failed for prompt {prompt} sample {j}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+            result = _call_reward(call, limit=limit, name=name, prompt=prompt, sample=j)
             if inspect.isawaitable(result):
                 pending[j] = result
                 rewards.append(math.nan)  # filled in below
@@ -511,21 +499,48 @@ def score_group(
             tasks = asyncio.run(_await_all(pending, limit))
             pending = {}
             for j, task in tasks.items():
-                if task.cancelled():
-                    late = f"did not return within {limit:g} s" if limit else "was cancelled"
-                    raise RewardError(
-                        f"reward {name} {late} for prompt {prompt} sample {j} "
-                        "(rollout.reward_timeout_s); the call was cancelled"
-                    )
-                error = task.exception()
-                if error is not None:
-                    raise RewardError(
-                        f"reward {name} failed for prompt {prompt} sample {j}: "
-                        f"{type(error).__name__}: {error}"
-                    ) from error
-                rewards[j] = _checked(task.result(), name=name, prompt=prompt, sample=j)
+                rewards[j] = _awaited_reward(task, limit=limit, name=name, prompt=prompt, sample=j)
     finally:
         for aw in pending.values():  # never awaited: a bad value or error came first
             if inspect.iscoroutine(aw):
                 aw.close()
     return ScoredGroup(output=output, rewards=tuple(rewards))
+
+
+def _call_reward(
+    call: Callable[[], object], *, limit: float | None, name: str, prompt: int, sample: int
+) -> object:
+    """One reward call (on the reward thread when ``limit`` bounds it): its result, or a
+    :class:`RewardError` naming the reward, the prompt and the sample."""
+    try:
+        return call() if limit is None else _reward_thread().call(call, timeout_s=limit)
+    except _Overran:
+        raise RewardError(
+            f"reward {name} did not return within {limit:g} s for prompt {prompt} "
+            f"sample {sample} (rollout.reward_timeout_s); the call is abandoned and runs "
+            "on in the background (a thread cannot be killed)"
+        ) from None
+    except Exception as exc:
+        raise RewardError(
+            f"reward {name} failed for prompt {prompt} sample {sample}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _awaited_reward(
+    task: asyncio.Future[Any], *, limit: float | None, name: str, prompt: int, sample: int
+) -> float:
+    """An async reward's checked value once awaited, or a :class:`RewardError` (late,
+    cancelled, raised)."""
+    if task.cancelled():
+        late = f"did not return within {limit:g} s" if limit else "was cancelled"
+        raise RewardError(
+            f"reward {name} {late} for prompt {prompt} sample {sample} "
+            "(rollout.reward_timeout_s); the call was cancelled"
+        )
+    error = task.exception()
+    if error is not None:
+        raise RewardError(
+            f"reward {name} failed for prompt {prompt} sample {sample}: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    return _checked(task.result(), name=name, prompt=prompt, sample=sample)
