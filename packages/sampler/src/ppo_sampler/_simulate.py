@@ -103,10 +103,13 @@ class LognormalLengths:
 @dataclass(frozen=True, kw_only=True)
 class MeasuredLengths:
     """Response lengths from a list (e.g. measured in a run). ``resample=True`` draws
-    with replacement; ``False`` takes them in order, cycling (exact schedules)."""
+    with replacement; ``False`` takes them in order, cycling (exact schedules).
+    ``per_group=True``: each length is a whole group's (its longest sample), drawn once
+    per group; else one per sample."""
 
     lengths: tuple[int, ...]
     resample: bool = True
+    per_group: bool = False
 
     def __post_init__(self) -> None:
         own = "MeasuredLengths"
@@ -117,8 +120,9 @@ class MeasuredLengths:
             )
         for i, n in enumerate(self.lengths):
             _count(own, f"lengths[{i}]", n, minimum=0)
-        if not isinstance(self.resample, bool):
-            raise ValueError(f"{own}: resample={self.resample!r} must be a bool")
+        for name in ("resample", "per_group"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{own}: {name}={getattr(self, name)!r} must be a bool")
 
 
 Lengths = LognormalLengths | MeasuredLengths
@@ -194,6 +198,9 @@ class TrainingCosts:
     actor_train_per_sample: float = 0.0
     critic_train_per_sample: float = 0.0
     actor_forward_per_sample: float = 0.0
+    actor_epoch_per_sample: float | None = None
+    """Streaming's epochs 2..K over the kept chunks, per sample and epoch (None: as
+    ``actor_train_per_sample``)."""
     critic_epochs: int = 1
     policy_epochs: int = 1
     optimizer_s: float = 0.0
@@ -216,6 +223,8 @@ class TrainingCosts:
             "step_overhead_s",
         ):
             _number(own, name, getattr(self, name))
+        if self.actor_epoch_per_sample is not None:
+            _number(own, "actor_epoch_per_sample", self.actor_epoch_per_sample)
         _count(own, "critic_epochs", self.critic_epochs, minimum=1)
         _count(own, "policy_epochs", self.policy_epochs, minimum=1)
 
@@ -227,10 +236,12 @@ class TrainingCosts:
     def after_chunks_s(self, samples: int, *, logprob_pass: bool) -> float:
         """The policy's work after the chunks: optimizer steps and epochs 2..K (with
         ``logprob_pass``, full batch with K > 1: the log-prob forward and all K epochs)."""
-        epoch = self.actor_train_per_sample * samples + self.optimizer_s
         if logprob_pass:
+            epoch = self.actor_train_per_sample * samples + self.optimizer_s
             return self.actor_forward_per_sample * samples + self.policy_epochs * epoch
-        return self.optimizer_s + (self.policy_epochs - 1) * epoch
+        later = self.actor_epoch_per_sample
+        per = self.actor_train_per_sample if later is None else later
+        return self.optimizer_s + (self.policy_epochs - 1) * (per * samples + self.optimizer_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,7 +481,9 @@ class _Run:
             step = self.next_gid // batch
             if not self.sampler.can_dispatch(step, trainer_step=self.admit):
                 return
-            group_len = max(self.lengths.next() for _ in range(self.wl.samples_per_group))
+            model = self.lengths.model
+            draws = 1 if isinstance(model, MeasuredLengths) and model.per_group else None
+            group_len = max(self.lengths.next() for _ in range(draws or self.wl.samples_per_group))
             engine, end = self.gen.finish_time(now, group_len)
             self.first_dispatch.setdefault(step, now)
             heapq.heappush(self.arrivals, (end, self.next_gid, step, self.weight_version, engine))
