@@ -18,6 +18,7 @@ from ppo_sampler._chunk import (
     tail_floor,
 )
 from ppo_sampler._config import SAMPLER_NAMES, SamplerConfig, make_sampler
+from ppo_sampler._presets import PRESETS, Preset
 from ppo_sampler._samplers import GroupId, InOrderSampler, ReadyFirstSampler, Sampler
 from ppo_sampler._simulate import (
     GenerationModel,
@@ -37,6 +38,7 @@ from ppo_sampler._simulate import (
 __version__ = "0.2.0"
 
 __all__ = [
+    "PRESETS",
     "SAMPLER_NAMES",
     "GenerationModel",
     "GroupId",
@@ -44,6 +46,7 @@ __all__ = [
     "LognormalLengths",
     "MeasuredLengths",
     "MinimumRow",
+    "Preset",
     "ReadyFirstSampler",
     "Sampler",
     "SamplerConfig",

@@ -29,12 +29,14 @@ machine is in the README ("Planning with the simulator").
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ppo_sampler._chunk import single_chunk_only
 from ppo_sampler._config import SamplerConfig, make_sampler
@@ -379,6 +381,23 @@ class SimulationTable:
     recommended_min_groups: int
     """The swept minimum with the shortest step; ties go to the larger minimum (fewer
     switches, closer to full-batch learning)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The table as JSON-ready data (a notebook's or a script's view)."""
+        return {
+            "workload": dataclasses.asdict(self.full_batch.workload),
+            "full_batch_step_s": self.full_batch.step_s,
+            "full_batch_idle_frac": self.full_batch.idle_frac,
+            "recommended_min_groups": self.recommended_min_groups,
+            "rows": [
+                {
+                    **dataclasses.asdict(r),
+                    "speedup": r.speedup,
+                    "chunk_groups": list(r.chunk_groups),
+                }
+                for r in self.rows
+            ],
+        }
 
     def format(self) -> str:
         wl = self.full_batch.workload
