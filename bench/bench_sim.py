@@ -12,6 +12,8 @@ fitted nor measured; the ``separate`` profile resumes from a checkpoint of 6 ful
 learning steps, as in ``bench_driver``.
 
     uv run --frozen python bench/bench_sim.py [--profiles separate,tiny] [--steps 5]
+        [--keep DIR]            # keep the run directories there
+    uv run --frozen python bench/bench_sim.py --refit DIR   # fit and predict again, no runs
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_driver  # noqa: E402  (the profiles and the run helper, next to this file)
+import bench_driver  # (the profiles and the run helper, next to this file)
 
 
 def _settings(overrides: list[str]) -> list[tuple[str, int | None]]:
@@ -58,7 +60,15 @@ def main() -> None:
         help="bench_driver profiles, comma separated (default: all)",
     )
     parser.add_argument("--steps", type=int, default=5, help="steps per run (the first warms up)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this directory")
+    parser.add_argument(
+        "--refit", type=Path, default=None, help="no runs: fit and predict the runs kept there"
+    )
     args = parser.parse_args()
+    if args.refit is not None:
+        results, measured = _fit_and_predict(args.refit, args.profiles.split(","), args.steps)
+        _report(results, measured, [os.getloadavg()[0]], 0.0)
+        return
     profiles = args.profiles.split(",")
     for name in profiles:
         if name not in bench_driver.PROFILES:
@@ -69,9 +79,8 @@ def main() -> None:
     t0 = time.perf_counter()
     load = [os.getloadavg()[0]]
     start_local_ray(num_gpus=2, num_cpus=4)
-    results: list[tuple[str, str, str, float, float, bool | None]] = []
-    measured_all: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or Path(scratch)
         for index, profile in enumerate(profiles):
             overrides = bench_driver.PROFILES[profile]
             settings = _settings(overrides)
@@ -87,31 +96,53 @@ def main() -> None:
                 lrs = [f"{r}.lr={defaults.model(r).lr}" for r in ("policy", "critic")]
                 bench_driver._run("full-batch", [*overrides, *lrs], warm_steps, root / "warm")
                 warm = root / "warm" / "full-batch"
-            runs: dict[str, tuple[Path, int]] = {}
-            measured: dict[str, float] = {}
-            for label, low in order:
+            for _label, low in order:
                 mode = "full-batch" if low is None else f"min{low}"
                 extra = [] if low is None else [f"async_rl.min_groups_for_streaming_train={low}"]
-                metrics = bench_driver._run(mode, [*overrides, *extra], args.steps, root, warm=warm)
-                measured[label] = statistics.fmean(m["perf/step_s"] for m in metrics[1:])
-                runs[label] = (root / mode, warm_steps + 1)
+                bench_driver._run(mode, [*overrides, *extra], args.steps, root, warm=warm)
                 load.append(os.getloadavg()[0])
-            measured_all[profile] = measured
-            batch = _batch(overrides)
-            lows = {label: (batch if low is None else low) for label, low in settings}
-            for fit_on, target in itertools.permutations(lows, 2):
-                run, skip = runs[fit_on]
-                predicted = _predict(run, skip=skip, minimum=lows[target], steps=args.steps)
-                # which is faster, streaming or full batch: only for a pair that has both
-                faster: bool | None = None
-                if "full batch" in (fit_on, target):
-                    other = fit_on if target == "full batch" else target
-                    p_stream = _predict(run, skip=skip, minimum=lows[other], steps=args.steps)
-                    p_full = _predict(run, skip=skip, minimum=batch, steps=args.steps)
-                    faster = (p_stream < p_full) == (measured[other] < measured["full batch"])
-                results.append((profile, fit_on, target, measured[target], predicted, faster))
+        results, measured_all = _fit_and_predict(Path(tmp), profiles, args.steps)
     shutdown_local_ray()
     _report(results, measured_all, load, time.perf_counter() - t0)
+
+
+Result = tuple[str, str, str, float, float, bool | None]
+
+
+def _fit_and_predict(
+    tmp: Path, profiles: list[str], steps: int
+) -> tuple[list[Result], dict[str, dict[str, float]]]:
+    """For each profile's three runs under ``tmp``: the measured mean step time (steps
+    after the first of the run), and each run's fit predicting the two others."""
+    import json
+
+    results: list[Result] = []
+    measured_all: dict[str, dict[str, float]] = {}
+    for profile in profiles:
+        overrides = bench_driver.PROFILES[profile]
+        skip = bench_driver.WARM_STEPS.get(profile, 0) + 1
+        batch = _batch(overrides)
+        lows = {label: (batch if low is None else low) for label, low in _settings(overrides)}
+        runs: dict[str, Path] = {}
+        measured: dict[str, float] = {}
+        for label, low in lows.items():
+            run = tmp / profile / ("full-batch" if low == batch else f"min{low}")
+            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            measured[label] = statistics.fmean(r["perf/step_s"] for r in rows[skip:])
+            runs[label] = run
+        measured_all[profile] = measured
+        for fit_on, target in itertools.permutations(lows, 2):
+            run = runs[fit_on]
+            predicted = _predict(run, skip=skip, minimum=lows[target], steps=steps)
+            # which is faster, streaming or full batch: only for a pair that has both
+            faster: bool | None = None
+            if "full batch" in (fit_on, target):
+                other = fit_on if target == "full batch" else target
+                p_stream = _predict(run, skip=skip, minimum=lows[other], steps=steps)
+                p_full = _predict(run, skip=skip, minimum=batch, steps=steps)
+                faster = (p_stream < p_full) == (measured[other] < measured["full batch"])
+            results.append((profile, fit_on, target, measured[target], predicted, faster))
+    return results, measured_all
 
 
 def _batch(overrides: list[str]) -> int:
@@ -122,7 +153,7 @@ def _batch(overrides: list[str]) -> int:
 
 
 def _report(
-    results: list[tuple[str, str, str, float, float, bool | None]],
+    results: list[Result],
     measured: dict[str, dict[str, float]],
     load: list[float],
     seconds: float,

@@ -115,3 +115,21 @@ def test_end_to_end_from_a_fresh_run(tmp_path: Path) -> None:
     out = subprocess.run(sim, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "fitted on 2 step(s)" in out.stdout and "SIMULATION" in out.stdout
+
+
+def test_generation_speed_comes_from_windows_the_pump_saw_end() -> None:
+    """A window that ends as a wait of its step ends was observed as it ended; one that
+    ends while the pump trained (no wait there) is only an upper bound."""
+    from ppo_driver.simulate import _observed_ends
+
+    def event(cat: str, step: int, ts: float, dur: float) -> dict[str, object]:
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "args": {"step": step}}
+
+    events = [
+        event("generation", 1, 0.0, 2e6),
+        event("wait", 1, 1.5e6, 0.5e6 + 10_000),  # ends 10 ms after the window: observed
+        event("generation", 2, 3e6, 2e6),
+        event("wait", 2, 3e6, 0.5e6),  # ends 1.5 s before the window: not observed
+        event("generation", 3, 6e6, 1e6),  # no wait at all
+    ]
+    assert _observed_ends(events) == {1}

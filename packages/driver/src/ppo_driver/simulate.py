@@ -115,8 +115,9 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
     lengths = MeasuredLengths(
         lengths=tuple(int(n) for r in used for n in r["rollout/group_len_max"]), per_group=True
     )
-    generation = _fit_generation(used, workload, rollout)
-    calls = _update_calls(run / "trace.json", {int(r["step"]) for r in used})
+    trace = _read_trace(run / "trace.json")
+    generation = _fit_generation(used, workload, rollout, _observed_ends(trace))
+    calls = _update_calls(trace, {int(r["step"]) for r in used})
     costs = _fit_costs(used, workload, ppo, calls)
     return FittedRun(
         workload=workload,
@@ -128,18 +129,64 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
     )
 
 
+def _read_trace(path: Path) -> list[dict[str, Any]]:
+    """The complete events of ``trace.json`` ([] without one)."""
+    if not path.is_file():
+        return []
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _observed_ends(events: Sequence[Mapping[str, Any]]) -> set[int]:
+    """Steps whose generation window ends when the pump saw the last group arrive.
+
+    The window closes when the pump files the step's last group; that is the moment it
+    arrived only if the pump was polling then, i.e. a wait of that step ends there.
+    Otherwise (the pump was training, e.g. critic training while the next step
+    generated) the window is only an upper bound of the generation time."""
+    waits: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "wait":
+            waits.setdefault(e["args"].get("step", -1), []).append(e["ts"] + e["dur"])
+    out: set[int] = set()
+    for e in events:
+        if e.get("cat") == "generation":
+            step, end = e["args"].get("step", -1), e["ts"] + e["dur"]
+            if any(abs(end - w) < _OBSERVED_US for w in waits.get(step, [])):
+                out.add(step)
+    return out
+
+
+_OBSERVED_US = 50_000.0
+"""A generation window ending within 50 ms of a wait's end was observed as it ended."""
+
+
 def _fit_generation(
-    rows: Sequence[Mapping[str, Any]], workload: Workload, rollout: Mapping[str, Any]
+    rows: Sequence[Mapping[str, Any]],
+    workload: Workload,
+    rollout: Mapping[str, Any],
+    observed: set[int],
 ) -> GenerationModel:
+    """Seconds per token: the median over steps whose generation end the pump observed;
+    with none, the smallest upper bound (then generation hid behind training, where its
+    exact speed matters less)."""
     engines = int(rollout.get("num_engines", 1))
     embedded = rollout.get("engine", "embedded") == "embedded"
     latency = EMBEDDED_GATHER_S if embedded else 0.0
-    per_token = [
-        (float(r["perf/generation_s"]) - latency) / max(r["rollout/group_len_max"])
+    timed = [
+        (
+            int(r["step"]),
+            (float(r["perf/generation_s"]) - latency) / max(r["rollout/group_len_max"]),
+        )
         for r in rows
         if r.get("perf/generation_s") and max(r["rollout/group_len_max"]) > 0
     ]
-    seconds_per_token = max(1e-6, statistics.median(per_token)) if per_token else 1e-3
+    exact = [t for step, t in timed if step in observed]
+    if exact:
+        seconds_per_token = statistics.median(exact)
+    else:
+        seconds_per_token = min((t for _, t in timed), default=1e-3)
+    seconds_per_token = max(1e-6, seconds_per_token)
     # every group in flight decodes at once: one engine holds its share of them
     groups = -(-workload.in_flight_limit // engines)
     concurrency = groups * workload.samples_per_group
@@ -152,13 +199,9 @@ def _fit_generation(
     )
 
 
-def _update_calls(trace: Path, steps: set[int]) -> dict[str, float]:
-    """Mean seconds per step of the actor's update calls in ``trace.json`` (``finish_step``:
-    one optimizer step; ``train_epochs``: epochs 2..K, each with its step); {} without
-    a trace."""
-    if not trace.is_file():
-        return {}
-    events = json.loads(trace.read_text()).get("traceEvents", [])
+def _update_calls(events: Sequence[Mapping[str, Any]], steps: set[int]) -> dict[str, float]:
+    """Mean seconds per step of the actor's update calls in the trace (``finish_step``:
+    one optimizer step; ``train_epochs``: epochs 2..K, each with its step)."""
     totals: dict[str, float] = {}
     for e in events:
         if e.get("cat") == "update" and e.get("args", {}).get("step") in steps:
