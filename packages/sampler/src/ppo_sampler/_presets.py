@@ -22,12 +22,14 @@ Sources and assumptions (used by every preset):
 * Generation: decoding is memory-bound; a decode step reads the weights and the KV
   cache of every sequence in flight. H100 HBM3 bandwidth 3.35 TB/s (datasheet).
   7B-class (Llama-3-8B shape: 32 layers, 8 KV heads of 128, BF16: 128 KiB of KV per
-  token) with 256 sequences of ~3,000 tokens on one GPU: ~14 GB weights + ~100 GB KV
-  per step -> ~34 ms at the roofline; assumed 6,000 tokens/s per engine at 256
-  sequences (~23 tokens/s per sequence, ~80 % of the roofline). 70B-class (80 layers,
-  8 KV heads: 320 KiB per token) on an 8-GPU tensor-parallel engine: ~(140 + 250) GB
-  over 8 GPUs per step -> ~15 ms; assumed 8,000 tokens/s per engine at 256 sequences
-  (~31 tokens/s per sequence, ~50 % of the roofline: TP all-reduces, scheduling).
+  token) on one 80 GB GPU: the KV cache of 128 sequences of ~3,000 tokens (~50 GB)
+  fits beside the ~16 GB of weights, 256 would not; a step reads ~65 GB -> ~19 ms at
+  the roofline; assumed 5,400 tokens/s per engine at 128 sequences (~42 tokens/s per
+  sequence, ~80 % of the roofline). 70B-class (80 layers, 8 KV heads: 320 KiB per
+  token) on an 8-GPU tensor-parallel engine (640 GB): 256 sequences' KV (~250 GB) fits
+  beside 140 GB of weights; ~48 GB per GPU per step -> ~15 ms; assumed 8,000 tokens/s
+  per engine at 256 sequences (~31 tokens/s per sequence, ~45 % of the roofline: TP
+  all-reduces, scheduling).
   Published offline benchmarks of vLLM and SGLang report the same order (thousands of
   output tokens/s per GPU); the exact value depends on the engine, the version and the
   lengths, so treat these within about 2x.
@@ -100,7 +102,7 @@ PRESETS: dict[str, Preset] = {
         description="SIMULATION: 7B policy + 7B critic sharing 8 H100s; generation on 8 "
         "more H100s (8 engines); long-tail reasoning lengths (median 2,500, cap 32,768)",
         workload=_WORKLOAD,
-        generation=GenerationModel(tokens_per_s=6_000.0, concurrency=256, engines=8),
+        generation=GenerationModel(tokens_per_s=5_400.0, concurrency=128, engines=8),
         costs=_costs(7e9, 8, optimizer_s=1.0, refit_s=5.0, switch_s=2.0),
         lengths=_REASONING,
     ),
