@@ -128,7 +128,14 @@ def _fit_and_predict(
         for label, low in lows.items():
             run = tmp / profile / ("full-batch" if low == batch else f"min{low}")
             rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-            measured[label] = statistics.fmean(r["perf/step_s"] for r in rows[skip:])
+            times = [r["perf/step_s"] for r in rows[skip:]]
+            measured[label] = statistics.fmean(times)
+            spread = statistics.stdev(times) / measured[label] if len(times) > 1 else 0.0
+            chunks = [len(r["train/chunk_groups"]) for r in rows[skip:]]
+            print(
+                f"{profile} {label}: step_s {' '.join(f'{t:.2f}' for t in times)} "
+                f"(spread {spread:.0%} of the mean), chunks {chunks}"
+            )
             runs[label] = run
         measured_all[profile] = measured
         for fit_on, target in itertools.permutations(lows, 2):
