@@ -43,6 +43,8 @@ def test_cli_prints_the_fit_and_the_table(capsys: pytest.CaptureFixture[str]) ->
     assert main(["simulate", "--from", str(RUN), "--min-groups", "8,16,64"]) == 0
     out = capsys.readouterr().out
     assert "fitted on 3 step(s): measured 1.303 s/step" in out
+    assert main(["simulate", "--from", str(RUN), "--skip-steps", "3"]) == 0
+    assert "fitted on 1 step(s): measured 1.222 s/step" in capsys.readouterr().out
     assert "SIMULATION (a projection" in out
     rows = [
         line.split() for line in out.splitlines() if line.strip().split(" ")[0] in ("8", "16", "64")
@@ -72,6 +74,7 @@ def test_what_if_options_change_the_projection(capsys: pytest.CaptureFixture[str
         ),
         pytest.param(["--engines", "0"], "engines=0", id="engines"),
         pytest.param(["--batch", "0"], "num_prompts_per_step=0", id="batch"),
+        pytest.param(["--skip-steps", "-1"], "--skip-steps=-1", id="skip"),
     ],
 )
 def test_bad_options_exit_2_naming_them(

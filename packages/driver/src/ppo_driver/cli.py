@@ -94,6 +94,9 @@ def _simulate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead", type=int, default=None, help="another sampler lookahead bound")
     p.add_argument("--no-streaming", action="store_true", help="the full batch only")
     p.add_argument("--steps", type=int, default=8, help="simulated steps (the first warms up)")
+    p.add_argument(
+        "--skip-steps", type=int, default=1, help="the run's first steps not to fit on (start-up)"
+    )
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -110,6 +113,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 lookahead=args.lookahead,
                 streaming=not args.no_streaming,
                 steps=args.steps,
+                skip_steps=args.skip_steps,
             )
         )
     except ValueError as exc:

@@ -78,6 +78,8 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
         ValueError: naming the file and what is missing (no run there, no steps
             recorded, a run written before ``rollout/group_len_max`` was recorded).
     """
+    if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
+        raise ValueError(f"--skip-steps={skip_steps!r} must be an int >= 0 (steps not fitted on)")
     run = Path(run_dir)
     config_path, metrics_path = run / "config.yaml", run / "metrics.jsonl"
     for path in (config_path, metrics_path):
@@ -334,9 +336,10 @@ def main(
     lookahead: int | None,
     streaming: bool,
     steps: int,
+    skip_steps: int = 1,
 ) -> str:
     """What ``ppo-driver simulate`` prints (raises ValueError for bad options)."""
-    fit = fit_run(run_dir)
+    fit = fit_run(run_dir, skip_steps=skip_steps)
     if not streaming:
         if minimums:
             raise ValueError(
