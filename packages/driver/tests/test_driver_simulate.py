@@ -4,6 +4,9 @@ step time and answers what-if options; bad input is refused naming it.
 ``data/sim_run`` is the ``config.yaml``, ``metrics.jsonl`` and ``trace.json`` that
 ``ppo-driver train --run-dir data/sim_run run.num_steps=4 run.checkpoint_every=0``
 wrote (the built-in task: 64 prompts x 4 samples, minimum 16), copied unchanged.
+``data/sim_run_full``: the same files of a full-batch run of ``bench/bench_sim.py``'s
+``balanced`` profile (larger models, 4 policy epochs: a log-prob pass, then 4 epochs
+over the batch), 5 steps.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ppo_driver.simulate import fit_run, simulate_run
 from ppo_sampler import simulate
 
 RUN = Path(__file__).resolve().parent / "data" / "sim_run"
+FULL_RUN = RUN.parent / "sim_run_full"
 
 
 def _rows(run: Path) -> list[dict[str, object]]:
@@ -37,6 +41,18 @@ def test_fit_reproduces_the_measured_step_time() -> None:
     assert abs(predicted - fit.measured_step_s) / fit.measured_step_s < 0.05
     # every timed phase is in the model: none of it is left as unexplained overhead
     assert fit.costs.step_overhead_s < 0.2 * fit.measured_step_s
+
+
+def test_fit_of_a_full_batch_run_reproduces_it() -> None:
+    """Full batch with K epochs times them outside the chunk (the log-prob pass, then
+    K forward + backward passes and K optimizer steps): all of it is modelled, none
+    is left as per-step overhead."""
+    fit = fit_run(FULL_RUN)
+    assert fit.workload.min_groups == fit.workload.batch == 64
+    assert fit.costs.policy_epochs == 4 and fit.costs.actor_forward_per_sample > 0
+    predicted = simulate(fit.workload, fit.generation, fit.costs, fit.lengths).step_s
+    assert abs(predicted - fit.measured_step_s) / fit.measured_step_s < 0.05
+    assert fit.costs.step_overhead_s < 0.1 * fit.measured_step_s
 
 
 def test_cli_prints_the_fit_and_the_table(capsys: pytest.CaptureFixture[str]) -> None:

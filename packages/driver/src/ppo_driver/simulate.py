@@ -246,6 +246,7 @@ def _fit_costs(
     timed = (
         _mean(rows, "perf/wait_s")
         + chunk_span
+        + (_mean(rows, "perf/backward_s") if logprob_pass else 0.0)  # the K epochs, after
         + update
         + _mean(rows, "perf/logprob_s")
         + _mean(rows, "perf/refit_s")
