@@ -5,6 +5,7 @@ ppo-driver train --config my.yaml ppo.num_prompts_per_step=32
 ppo-driver train --resume              # continue the run in its run directory
 ppo-driver train --overwrite           # start over in a used run directory
 ppo-driver validate --config my.yaml   # every problem at once, exit 1 on errors
+ppo-driver simulate --from runs/tiny   # project step times for other settings (a model)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         description="Streaming colocated PPO: actor and critic share training devices, "
         "generation runs on its own.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,validate}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,validate,simulate}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -76,7 +77,49 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     train.add_argument("--no-progress", action="store_true", help="no progress bar, log lines only")
     validate = sub.add_parser("validate", help="check a config and report every problem at once")
     common(validate)
-    return parser, {"train": train, "validate": validate}
+    simulate = sub.add_parser(
+        "simulate", help="fit the step simulator on a run and project other settings"
+    )
+    _simulate_options(simulate)
+    return parser, {"train": train, "validate": validate, "simulate": simulate}
+
+
+def _simulate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="run_dir", type=Path, required=True, help="a run directory")
+    p.add_argument(
+        "--min-groups", default=None, help="minimums to project, comma separated (default: a sweep)"
+    )
+    p.add_argument("--batch", type=int, default=None, help="another ppo.num_prompts_per_step")
+    p.add_argument("--engines", type=int, default=None, help="another rollout.num_engines")
+    p.add_argument("--lookahead", type=int, default=None, help="another sampler lookahead bound")
+    p.add_argument("--no-streaming", action="store_true", help="the full batch only")
+    p.add_argument("--steps", type=int, default=8, help="simulated steps (the first warms up)")
+    p.add_argument(
+        "--skip-steps", type=int, default=1, help="the run's first steps not to fit on (start-up)"
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from ppo_driver.simulate import main as simulate_main
+
+    try:
+        lows = None if args.min_groups is None else [int(m) for m in args.min_groups.split(",")]
+        print(
+            simulate_main(
+                args.run_dir,
+                minimums=lows,
+                batch=args.batch,
+                engines=args.engines,
+                lookahead=args.lookahead,
+                streaming=not args.no_streaming,
+                steps=args.steps,
+                skip_steps=args.skip_steps,
+            )
+        )
+    except ValueError as exc:
+        print(f"ppo-driver simulate: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -105,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "simulate":
+        return _simulate(args)
     # imported after parsing: `ppo-driver --help` answers without loading torch
     from ppo_driver.config import ConfigError, load_config
 

@@ -643,6 +643,7 @@ class TrainPump:
             "rollout/reward_mean": float(batch.sample_rewards.mean()),
             "rollout/reward_max": float(batch.sample_rewards.max()),
             "rollout/response_len_mean": float(batch.loss_mask.sum(dim=1).mean()),
+            "rollout/group_len_max": _group_len_max(batch),
             "train/chunks": len(s.chunk_groups),
             "train/chunk_groups": s.chunk_groups,
             "train/switches": self.pair.switches - switches,
@@ -668,6 +669,17 @@ class TrainPump:
         out.update(critic)
         check_finite_metrics(s.step, out)
         return out
+
+
+def _group_len_max(batch: StepBatch) -> list[int]:
+    """Each group's longest response in tokens, in group-id order: when the group was
+    done generating (``ppo-driver simulate`` fits its length model on them)."""
+    lengths = batch.loss_mask.sum(dim=1)
+    groups, index = torch.unique(batch.prompt_indices, return_inverse=True)
+    longest = torch.zeros(len(groups), dtype=lengths.dtype).scatter_reduce(
+        0, index, lengths, reduce="amax"
+    )
+    return [int(x) for x in longest.tolist()]
 
 
 def _moments(valid: Sequence[torch.Tensor]) -> Moments:

@@ -2,16 +2,32 @@
 
 Replays one step through a real ``in_order`` sampler: at each poll the finished groups
 are added and ``select`` decides whether to train a chunk or wait, and why.
+
+``python -m ppo_sampler simulate [--preset 7b-8gpu] [options]``: the step simulator's
+table (:func:`ppo_sampler.simulate_minimums`) for a scale preset, any of whose inputs
+the options replace; ``--json`` prints it as data.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ppo_sampler._chunk import plan_chunk, single_chunk_only, tail_floor
+from ppo_sampler._presets import PRESETS
 from ppo_sampler._samplers import InOrderSampler
+from ppo_sampler._simulate import (
+    GenerationModel,
+    LognormalLengths,
+    MeasuredLengths,
+    TrainingCosts,
+    Workload,
+    simulate_minimums,
+)
 
 
 def _why_wait(*, ready: int, remaining: int, min_groups: int, alignment: int) -> str:
@@ -71,7 +87,109 @@ def replay(*, polls: Sequence[int], batch: int, min_groups: int, alignment: int)
     return lines
 
 
+_WORKLOAD_FLAGS = {
+    "batch": "batch",
+    "samples_per_group": "samples_per_group",
+    "alignment": "alignment",
+    "sampler": "sampler",
+    "lookahead": "lookahead",
+    "max_in_flight": "max_in_flight",
+}
+_GENERATION_FLAGS = ("tokens_per_s", "concurrency", "engines", "batching", "latency_s")
+_COST_FLAGS = {
+    "value_forward": "value_forward_per_sample",
+    "actor_train": "actor_train_per_sample",
+    "actor_forward": "actor_forward_per_sample",
+    "critic_train": "critic_train_per_sample",
+    "critic_epochs": "critic_epochs",
+    "policy_epochs": "policy_epochs",
+    "optimizer_s": "optimizer_s",
+    "refit_s": "refit_s",
+    "switch_s": "switch_s",
+    "chunk_overhead_s": "chunk_overhead_s",
+    "step_overhead_s": "step_overhead_s",
+}
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ppo_sampler simulate",
+        description="Project step times, streaming against full batch, for each minimum "
+        "(a simulation driven by the real sampler; not a measurement).",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="7b-8gpu")
+    p.add_argument("--min-groups", default=None, help="minimums, comma separated (default: sweep)")
+    p.add_argument("--steps", type=int, default=8, help="simulated steps (the first warms up)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the table as JSON data")
+    p.add_argument("--lengths", default=None, help="measured response lengths, comma separated")
+    p.add_argument("--lognormal", default=None, metavar="MEDIAN,SIGMA,MAX", help="length model")
+    kind: type[str] | type[int] | type[float]
+    for flag in _WORKLOAD_FLAGS:
+        kind = str if flag == "sampler" else int
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
+    for flag in _GENERATION_FLAGS:
+        kind = str if flag == "batching" else int if flag in ("concurrency", "engines") else float
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
+    for flag in _COST_FLAGS:
+        kind = int if flag.endswith("epochs") else float
+        help_ = "seconds per sample" if flag in ("value_forward", "actor_train", "actor_forward",
+                                                  "critic_train") else None  # fmt: skip
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=help_)
+    return p
+
+
+def _replaced(obj: Any, args: argparse.Namespace, flags: dict[str, str]) -> Any:
+    given = {field: getattr(args, flag) for flag, field in flags.items()}
+    return dataclasses.replace(obj, **{k: v for k, v in given.items() if v is not None})
+
+
+def simulate_main(argv: Sequence[str]) -> int:
+    """``python -m ppo_sampler simulate``; bad inputs exit 2 with the simulator's message."""
+    parser = _simulate_parser()
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    try:
+        shape = dataclasses.asdict(preset.workload)
+        shape.update({k: getattr(args, k) for k in _WORKLOAD_FLAGS if getattr(args, k) is not None})
+        shape["min_groups"] = min(shape["min_groups"], shape["batch"])  # a smaller --batch
+        workload = Workload(**shape)
+        generation: GenerationModel = _replaced(
+            preset.generation, args, {f: f for f in _GENERATION_FLAGS}
+        )
+        costs: TrainingCosts = _replaced(preset.costs, args, _COST_FLAGS)
+        lengths: LognormalLengths | MeasuredLengths = preset.lengths
+        if args.lengths is not None:
+            lengths = MeasuredLengths(lengths=tuple(int(n) for n in args.lengths.split(",") if n))
+        if args.lognormal is not None:
+            median, sigma, top = args.lognormal.split(",")
+            lengths = LognormalLengths(
+                median=float(median), sigma=float(sigma), max_tokens=int(top)
+            )
+        minimums = None if args.min_groups is None else [int(m) for m in args.min_groups.split(",")]
+        table = simulate_minimums(
+            workload,
+            generation,
+            costs,
+            lengths,
+            minimums=minimums,
+            steps=args.steps,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    if args.json:
+        print(json.dumps(table.as_dict(), indent=1))
+    else:
+        print(f"preset {args.preset}: {preset.description}")
+        print(table.format())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["simulate"]:
+        return simulate_main(args_in[1:])
     parser = argparse.ArgumentParser(
         prog="python -m ppo_sampler", description="Print a worked tail-aware streaming schedule."
     )
@@ -83,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="20,88,120,128",
         help="cumulative finished groups at each poll, comma separated, ending at the batch",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     try:
         polls = [int(p) for p in args.polls.split(",")]
         if not polls or polls[-1] != args.batch or polls != sorted(polls):

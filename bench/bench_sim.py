@@ -1,0 +1,195 @@
+"""Calibration of the step simulator: fitted on one run, how well does it predict another?
+
+For each ``bench_driver`` profile, three settings run in one Ray cluster, interleaved
+(the order rotates from profile to profile so that drifting machine load does not always
+hit the same setting): the profile's streaming minimum, another minimum (half the
+batch), and the full batch. Then each run is fitted (``ppo_driver.simulate.fit_run``:
+its config, metrics and trace) and the simulator predicts the mean step time of the two
+OTHER settings. Reported per profile and pair: measured and predicted seconds per step,
+the error ``|predicted - measured| / measured``, and whether the fit predicts which of
+streaming and full batch is faster. The first step of every run (start-up) is neither
+fitted nor measured; the ``separate`` profile resumes from a checkpoint of 6 full-batch
+learning steps, as in ``bench_driver``.
+
+    uv run --frozen python bench/bench_sim.py [--profiles separate,tiny] [--steps 5]
+        [--keep DIR]            # keep the run directories there
+    uv run --frozen python bench/bench_sim.py --refit DIR   # fit and predict again, no runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_driver  # (the profiles and the run helper, next to this file)
+
+
+def _settings(overrides: list[str]) -> list[tuple[str, int | None]]:
+    """(name, minimum) per setting; None: the full batch."""
+    from ppo_driver.config import load_config
+
+    cfg, _ = load_config(None, overrides)
+    batch, low = cfg.ppo.num_prompts_per_step, cfg.async_rl.min_groups_for_streaming_train
+    return [(f"min {low}", low), (f"min {batch // 2}", batch // 2), ("full batch", None)]
+
+
+def _predict(run: Path, *, skip: int, minimum: int, steps: int) -> float:
+    from ppo_driver.simulate import fit_run
+    from ppo_sampler import simulate
+
+    fit = fit_run(run, skip_steps=skip)
+    workload = fit.workload.with_min_groups(minimum)
+    return simulate(
+        workload, fit.generation, fit.costs, fit.lengths, steps=steps + 3, warmup_steps=1
+    ).step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--profiles",
+        default=",".join(sorted(bench_driver.PROFILES)),
+        help="bench_driver profiles, comma separated (default: all)",
+    )
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (the first warms up)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs in this directory")
+    parser.add_argument(
+        "--refit", type=Path, default=None, help="no runs: fit and predict the runs kept there"
+    )
+    args = parser.parse_args()
+    if args.refit is not None:
+        results, measured = _fit_and_predict(args.refit, args.profiles.split(","), args.steps)
+        _report(results, measured, [os.getloadavg()[0]], 0.0)
+        return
+    profiles = args.profiles.split(",")
+    for name in profiles:
+        if name not in bench_driver.PROFILES:
+            parser.error(f"--profiles: {name!r} is not one of {sorted(bench_driver.PROFILES)}")
+
+    from ppo_placement import shutdown_local_ray, start_local_ray
+
+    t0 = time.perf_counter()
+    load = [os.getloadavg()[0]]
+    start_local_ray(num_gpus=2, num_cpus=4)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or Path(scratch)
+        for index, profile in enumerate(profiles):
+            overrides = bench_driver.PROFILES[profile]
+            settings = _settings(overrides)
+            shift = index % len(settings)
+            order = settings[shift:] + settings[:shift]
+            root = Path(tmp) / profile
+            warm_steps = bench_driver.WARM_STEPS.get(profile, 0)
+            warm = None
+            if warm_steps:
+                from ppo_driver.config import load_config
+
+                defaults, _ = load_config(None, [])
+                lrs = [f"{r}.lr={defaults.model(r).lr}" for r in ("policy", "critic")]
+                bench_driver._run("full-batch", [*overrides, *lrs], warm_steps, root / "warm")
+                warm = root / "warm" / "full-batch"
+            for _label, low in order:
+                mode = "full-batch" if low is None else f"min{low}"
+                extra = [] if low is None else [f"async_rl.min_groups_for_streaming_train={low}"]
+                bench_driver._run(mode, [*overrides, *extra], args.steps, root, warm=warm)
+                load.append(os.getloadavg()[0])
+        results, measured_all = _fit_and_predict(Path(tmp), profiles, args.steps)
+    shutdown_local_ray()
+    _report(results, measured_all, load, time.perf_counter() - t0)
+
+
+Result = tuple[str, str, str, float, float, bool | None]
+
+
+def _fit_and_predict(
+    tmp: Path, profiles: list[str], steps: int
+) -> tuple[list[Result], dict[str, dict[str, float]]]:
+    """For each profile's three runs under ``tmp``: the measured mean step time (steps
+    after the first of the run), and each run's fit predicting the two others."""
+    import json
+
+    results: list[Result] = []
+    measured_all: dict[str, dict[str, float]] = {}
+    for profile in profiles:
+        overrides = bench_driver.PROFILES[profile]
+        skip = bench_driver.WARM_STEPS.get(profile, 0) + 1
+        batch = _batch(overrides)
+        lows = {label: (batch if low is None else low) for label, low in _settings(overrides)}
+        runs: dict[str, Path] = {}
+        measured: dict[str, float] = {}
+        for label, low in lows.items():
+            run = tmp / profile / ("full-batch" if low == batch else f"min{low}")
+            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            times = [r["perf/step_s"] for r in rows[skip:]]
+            measured[label] = statistics.fmean(times)
+            spread = statistics.stdev(times) / measured[label] if len(times) > 1 else 0.0
+            chunks = [len(r["train/chunk_groups"]) for r in rows[skip:]]
+            print(
+                f"{profile} {label}: step_s {' '.join(f'{t:.2f}' for t in times)} "
+                f"(spread {spread:.0%} of the mean), chunks {chunks}"
+            )
+            runs[label] = run
+        measured_all[profile] = measured
+        for fit_on, target in itertools.permutations(lows, 2):
+            run = runs[fit_on]
+            predicted = _predict(run, skip=skip, minimum=lows[target], steps=steps)
+            # which is faster, streaming or full batch: only for a pair that has both
+            faster: bool | None = None
+            if "full batch" in (fit_on, target):
+                other = fit_on if target == "full batch" else target
+                p_stream = _predict(run, skip=skip, minimum=lows[other], steps=steps)
+                p_full = _predict(run, skip=skip, minimum=batch, steps=steps)
+                faster = (p_stream < p_full) == (measured[other] < measured["full batch"])
+            results.append((profile, fit_on, target, measured[target], predicted, faster))
+    return results, measured_all
+
+
+def _batch(overrides: list[str]) -> int:
+    from ppo_driver.config import load_config
+
+    cfg, _ = load_config(None, overrides)
+    return cfg.ppo.num_prompts_per_step
+
+
+def _report(
+    results: list[Result],
+    measured: dict[str, dict[str, float]],
+    load: list[float],
+    seconds: float,
+) -> None:
+    print()
+    print("measured mean s/step (steps 2..N of one run per setting):")
+    for profile, by in measured.items():
+        print(f"  {profile:<18} " + "  ".join(f"{k}: {v:.3f}" for k, v in by.items()))
+    print()
+    head = f"{'profile':<18} {'fitted on':<11} {'predicts':<11} {'measured':>9} {'predicted':>9}"
+    print(head + f" {'error':>7}  faster mode right?")
+    errors: dict[str, list[float]] = {}
+    for profile, fit_on, target, meas, pred, faster in results:
+        err = abs(pred - meas) / meas
+        errors.setdefault(profile, []).append(err)
+        mark = "-" if faster is None else ("yes" if faster else "NO")
+        print(
+            f"{profile:<18} {fit_on:<11} {target:<11} {meas:>9.3f} {pred:>9.3f} {err:>7.1%}  {mark}"
+        )
+    print()
+    for profile, errs in errors.items():
+        print(f"{profile:<18} mean error {statistics.fmean(errs):.1%}, max {max(errs):.1%}")
+    rights = [f for *_, f in results if f is not None]
+    print(f"faster mode predicted right in {sum(rights)} of {len(rights)} fitted pairs")
+    print(
+        f"load average (1 min) during the bench: {min(load):.1f} to {max(load):.1f} "
+        f"on {os.cpu_count()} cores; total {seconds:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

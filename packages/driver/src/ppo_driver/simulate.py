@@ -1,0 +1,354 @@
+"""``ppo-driver simulate --from runs/<name>``: fit the step simulator on a real run and
+answer "what if" (another minimum, batch, engine count, lookahead, or streaming off).
+
+What is fitted, from the run's ``config.yaml`` (its shape) and ``metrics.jsonl`` (per
+step: the phases' seconds, as the trace timed them, and each group's longest response):
+
+* lengths: the groups' longest responses, resampled (:class:`ppo_sampler.MeasuredLengths`
+  with ``per_group=True``), so a group finishes when its longest sample does;
+* generation: seconds per decoded token of one sequence, from each step's generation
+  window (first dispatch to last arrival) over its longest group, minus the engine's
+  gather window; every group in flight decodes at once (the embedded engine batches a
+  round; sglang batches continuously);
+* training costs per sample (value forward, the actor's forward + backward, critic
+  training per epoch), per optimizer step, per refit, per model switch, per chunk (the
+  driver's GAE and round trips) and per step (what remains of the step when the wait
+  and every timed phase are taken out).
+
+The simulator (:func:`ppo_sampler.simulate_minimums`) then replays steps through the
+real sampler with these costs. It projects; it does not measure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ppo_sampler import (
+    GenerationModel,
+    MeasuredLengths,
+    SimulationTable,
+    TrainingCosts,
+    Workload,
+    simulate_minimums,
+)
+
+__all__ = ["FittedRun", "fit_run", "what_if"]
+
+EMBEDDED_GATHER_S = 0.05
+"""The embedded engine's gather window (``EmbeddedEngine(gather_s=...)``'s default): a
+round starts this long after its last group joined."""
+
+
+@dataclass(frozen=True)
+class FittedRun:
+    """A run's shape and costs as the simulator takes them."""
+
+    workload: Workload
+    generation: GenerationModel
+    costs: TrainingCosts
+    lengths: MeasuredLengths
+    measured_step_s: float
+    """Mean ``perf/step_s`` of the steps fitted on."""
+    steps_used: int
+
+
+def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = config.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config.yaml: {key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:
+    return statistics.fmean(float(r.get(key) or 0.0) for r in rows)
+
+
+def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
+    """Fit the simulator's models on ``run_dir`` (``config.yaml`` + ``metrics.jsonl``),
+    leaving out the first ``skip_steps`` steps (start-up warms caches) when later ones
+    exist.
+
+    Raises:
+        ValueError: naming the file and what is missing (no run there, no steps
+            recorded, a run written before ``rollout/group_len_max`` was recorded).
+    """
+    if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
+        raise ValueError(f"--skip-steps={skip_steps!r} must be an int >= 0 (steps not fitted on)")
+    run = Path(run_dir)
+    config_path, metrics_path = run / "config.yaml", run / "metrics.jsonl"
+    for path in (config_path, metrics_path):
+        if not path.is_file():
+            raise ValueError(
+                f"--from {run}: {path.name} is missing; point --from at a run directory "
+                "that ppo-driver train wrote (it holds config.yaml and metrics.jsonl)"
+            )
+    config = yaml.safe_load(config_path.read_text()) or {}
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"--from {run}: metrics.jsonl records no step; let the run finish one")
+    missing = [r.get("step") for r in rows if not r.get("rollout/group_len_max")]
+    if missing:
+        raise ValueError(
+            f"--from {run}: metrics.jsonl has no rollout/group_len_max for step(s) {missing} "
+            "(written by ppo-driver before the simulator); rerun the run to record them"
+        )
+    used = rows[skip_steps:] or rows
+    ppo, async_rl = _section(config, "ppo"), _section(config, "async_rl")
+    sampler, rollout = _section(async_rl, "sampler"), _section(config, "rollout")
+    batch = int(ppo.get("num_prompts_per_step", 64))
+    spg = int(ppo.get("num_generations_per_prompt", 4))
+    min_groups = int(async_rl.get("min_groups_for_streaming_train", batch))
+    name = str(sampler.get("name", "in_order"))
+    bound = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
+    workload = Workload(
+        batch=batch,
+        min_groups=min_groups,
+        samples_per_group=spg,
+        sampler=name,
+        lookahead=int(sampler.get(bound, 0)),
+        max_in_flight=int(async_rl.get("max_prompts_in_flight", 0)),
+    )
+    lengths = MeasuredLengths(
+        lengths=tuple(int(n) for r in used for n in r["rollout/group_len_max"]), per_group=True
+    )
+    trace = _read_trace(run / "trace.json")
+    generation = _fit_generation(used, workload, rollout, _observed_ends(trace))
+    calls = _update_calls(trace, {int(r["step"]) for r in used})
+    costs = _fit_costs(used, workload, ppo, calls)
+    return FittedRun(
+        workload=workload,
+        generation=generation,
+        costs=costs,
+        lengths=lengths,
+        measured_step_s=_mean(used, "perf/step_s"),
+        steps_used=len(used),
+    )
+
+
+def _read_trace(path: Path) -> list[dict[str, Any]]:
+    """The complete events of ``trace.json`` ([] without one)."""
+    if not path.is_file():
+        return []
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _observed_ends(events: Sequence[Mapping[str, Any]]) -> set[int]:
+    """Steps whose generation window ends when the pump saw the last group arrive.
+
+    The window closes when the pump files the step's last group; that is the moment it
+    arrived only if the pump was polling then, i.e. a wait of that step ends there.
+    Otherwise (the pump was training, e.g. critic training while the next step
+    generated) the window is only an upper bound of the generation time."""
+    waits: dict[int, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "wait":
+            waits.setdefault(e["args"].get("step", -1), []).append(e["ts"] + e["dur"])
+    out: set[int] = set()
+    for e in events:
+        if e.get("cat") == "generation":
+            step, end = e["args"].get("step", -1), e["ts"] + e["dur"]
+            if any(abs(end - w) < _OBSERVED_US for w in waits.get(step, [])):
+                out.add(step)
+    return out
+
+
+_OBSERVED_US = 50_000.0
+"""A generation window ending within 50 ms of a wait's end was observed as it ended."""
+
+
+def _fit_generation(
+    rows: Sequence[Mapping[str, Any]],
+    workload: Workload,
+    rollout: Mapping[str, Any],
+    observed: set[int],
+) -> GenerationModel:
+    """Seconds per token: the median over steps whose generation end the pump observed;
+    with none, the smallest upper bound (then generation hid behind training, where its
+    exact speed matters less)."""
+    engines = int(rollout.get("num_engines", 1))
+    embedded = rollout.get("engine", "embedded") == "embedded"
+    latency = EMBEDDED_GATHER_S if embedded else 0.0
+    timed = [
+        (
+            int(r["step"]),
+            (float(r["perf/generation_s"]) - latency) / max(r["rollout/group_len_max"]),
+        )
+        for r in rows
+        if r.get("perf/generation_s") and max(r["rollout/group_len_max"]) > 0
+    ]
+    exact = [t for step, t in timed if step in observed]
+    if exact:
+        seconds_per_token = statistics.median(exact)
+    else:
+        seconds_per_token = min((t for _, t in timed), default=1e-3)
+    seconds_per_token = max(1e-6, seconds_per_token)
+    # every group in flight decodes at once: one engine holds its share of them
+    groups = -(-workload.in_flight_limit // engines)
+    concurrency = groups * workload.samples_per_group
+    return GenerationModel(
+        tokens_per_s=concurrency / seconds_per_token,
+        concurrency=concurrency,
+        engines=engines,
+        batching="rounds" if embedded else "continuous",
+        latency_s=latency,
+    )
+
+
+def _update_calls(events: Sequence[Mapping[str, Any]], steps: set[int]) -> dict[str, float]:
+    """Mean seconds per step of the actor's update calls in the trace (``finish_step``:
+    one optimizer step; ``train_epochs``: epochs 2..K, each with its step)."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "update" and e.get("args", {}).get("step") in steps:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"]) / 1e6
+    return {name: seconds / len(steps) for name, seconds in totals.items()}
+
+
+def _fit_costs(
+    rows: Sequence[Mapping[str, Any]],
+    workload: Workload,
+    ppo: Mapping[str, Any],
+    calls: Mapping[str, float],
+) -> TrainingCosts:
+    samples = workload.batch * workload.samples_per_group
+    epochs = int(ppo.get("ppo_epochs", 1))
+    critic_epochs = int(ppo.get("critic_ppo_epochs", 1))
+    full = workload.min_groups == workload.batch
+    logprob_pass = full and epochs > 1
+    value = _mean(rows, "perf/value_s") / samples
+    # the streamed pass holds epoch 1; a full batch with K > 1 epochs runs all K there
+    actor = _mean(rows, "perf/backward_s") / (samples * (epochs if logprob_pass else 1))
+    update = _mean(rows, "perf/update_s")
+    later: float | None = None
+    if logprob_pass:
+        optimizer = update / epochs
+        forward = _mean(rows, "perf/logprob_s") / samples
+    else:  # one optimizer step (finish_step) + epochs 2..K, each with its step
+        optimizer = calls.get("finish_step", update if epochs == 1 else 0.0)
+        if epochs > 1 and "train_epochs" in calls:
+            per_epoch = calls["train_epochs"] / (epochs - 1) - optimizer
+            later = max(0.0, per_epoch / samples)
+        forward = value  # no log-prob pass to time: the critic's forward (same shape here)
+    chunks = _mean(rows, "train/chunks")
+    switches = _mean(rows, "train/switches") or 2 * chunks
+    switch_total = _mean(rows, "perf/switch_s")
+    per_switch = switch_total / switches if switches else 0.0
+    chunk_span = _mean(rows, "perf/chunk_s")
+    in_chunks = _mean(rows, "perf/value_s") + (0.0 if logprob_pass else actor * samples)
+    chunk_overhead = max(0.0, (chunk_span - in_chunks - per_switch * chunks) / chunks)
+    timed = (
+        _mean(rows, "perf/wait_s")
+        + chunk_span
+        + (_mean(rows, "perf/backward_s") if logprob_pass else 0.0)  # the K epochs, after
+        + update
+        + _mean(rows, "perf/logprob_s")
+        + _mean(rows, "perf/refit_s")
+        + _mean(rows, "perf/critic_s")
+        + (switch_total - per_switch * chunks)
+    )
+    return TrainingCosts(
+        value_forward_per_sample=value,
+        actor_train_per_sample=actor,
+        critic_train_per_sample=_mean(rows, "perf/critic_s") / (samples * critic_epochs),
+        actor_forward_per_sample=forward,
+        actor_epoch_per_sample=later,
+        critic_epochs=critic_epochs,
+        policy_epochs=epochs,
+        optimizer_s=optimizer,
+        refit_s=_mean(rows, "perf/refit_s"),
+        switch_s=per_switch,
+        chunk_overhead_s=chunk_overhead,
+        step_overhead_s=max(0.0, _mean(rows, "perf/step_s") - timed),
+    )
+
+
+def what_if(
+    fit: FittedRun,
+    *,
+    batch: int | None = None,
+    engines: int | None = None,
+    lookahead: int | None = None,
+) -> tuple[Workload, GenerationModel]:
+    """The fitted workload and generation with another batch, engine count or lookahead
+    (the in-flight limit follows them as the driver's default does when the run used
+    it). Raises ValueError (the simulator's) for values it refuses."""
+    wl = fit.workload
+    new_batch = wl.batch if batch is None else batch
+    workload = replace(
+        wl,
+        batch=new_batch,
+        min_groups=min(wl.min_groups, new_batch),
+        lookahead=wl.lookahead if lookahead is None else lookahead,
+    )
+    generation = fit.generation
+    if engines is not None:
+        generation = replace(generation, engines=engines)
+    return workload, generation
+
+
+def simulate_run(
+    fit: FittedRun,
+    *,
+    minimums: Sequence[int] | None = None,
+    batch: int | None = None,
+    engines: int | None = None,
+    lookahead: int | None = None,
+    steps: int = 8,
+    seed: int = 0,
+) -> SimulationTable:
+    """The table for the fitted run under the what-if options (see :func:`what_if`)."""
+    workload, generation = what_if(fit, batch=batch, engines=engines, lookahead=lookahead)
+    return simulate_minimums(
+        workload, generation, fit.costs, fit.lengths, minimums=minimums, steps=steps, seed=seed
+    )
+
+
+def describe(fit: FittedRun) -> str:
+    """The fitted numbers, one line each."""
+    c, g = fit.costs, fit.generation
+    return "\n".join(
+        [
+            f"fitted on {fit.steps_used} step(s): measured {fit.measured_step_s:.3f} s/step",
+            f"  generation: {g.engines} engine(s), {g.concurrency} sequences at once, "
+            f"{g.seconds_per_token * 1e3:.1f} ms/token/sequence, batching={g.batching}",
+            f"  per sample: value forward {c.value_forward_per_sample * 1e3:.2f} ms, actor "
+            f"forward+backward {c.actor_train_per_sample * 1e3:.2f} ms, critic epoch "
+            f"{c.critic_train_per_sample * 1e3:.2f} ms",
+            f"  per step: optimizer {c.optimizer_s:.3f} s x {c.policy_epochs}, refit "
+            f"{c.refit_s:.3f} s, other {c.step_overhead_s:.3f} s; per switch "
+            f"{c.switch_s:.3f} s; per chunk {c.chunk_overhead_s:.3f} s",
+        ]
+    )
+
+
+def main(
+    run_dir: Path,
+    *,
+    minimums: Sequence[int] | None,
+    batch: int | None,
+    engines: int | None,
+    lookahead: int | None,
+    streaming: bool,
+    steps: int,
+    skip_steps: int = 1,
+) -> str:
+    """What ``ppo-driver simulate`` prints (raises ValueError for bad options)."""
+    fit = fit_run(run_dir, skip_steps=skip_steps)
+    if not streaming:
+        if minimums:
+            raise ValueError(
+                f"--min-groups={','.join(map(str, minimums))} and --no-streaming contradict: "
+                "drop one (--no-streaming simulates the full batch only)"
+            )
+        minimums = [fit.workload.batch if batch is None else batch]
+    table = simulate_run(
+        fit, minimums=minimums, batch=batch, engines=engines, lookahead=lookahead, steps=steps
+    )
+    return describe(fit) + "\n" + table.format()

@@ -1,0 +1,154 @@
+"""``ppo-driver simulate --from``: fitted on a real run directory, it reproduces that run's
+step time and answers what-if options; bad input is refused naming it.
+
+``data/sim_run`` is the ``config.yaml``, ``metrics.jsonl`` and ``trace.json`` that
+``ppo-driver train --run-dir data/sim_run run.num_steps=4 run.checkpoint_every=0``
+wrote (the built-in task: 64 prompts x 4 samples, minimum 16), copied unchanged.
+``data/sim_run_full``: the same files of a full-batch run of ``bench/bench_sim.py``'s
+``balanced`` profile (larger models, 4 policy epochs: a log-prob pass, then 4 epochs
+over the batch), 5 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from driver_testlib import TINY_RUN
+from ppo_driver.cli import main
+from ppo_driver.simulate import fit_run, simulate_run
+from ppo_sampler import simulate
+
+RUN = Path(__file__).resolve().parent / "data" / "sim_run"
+FULL_RUN = RUN.parent / "sim_run_full"
+
+
+def _rows(run: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fit_reproduces_the_measured_step_time() -> None:
+    fit = fit_run(RUN)
+    assert fit.steps_used == 3  # the first step (start-up) is left out
+    assert fit.workload.batch == 64 and fit.workload.min_groups == 16
+    assert fit.workload.samples_per_group == 4 and fit.costs.policy_epochs == 4
+    assert len(fit.lengths.lengths) == 3 * 64 and fit.lengths.per_group
+    predicted = simulate(fit.workload, fit.generation, fit.costs, fit.lengths).step_s
+    assert abs(predicted - fit.measured_step_s) / fit.measured_step_s < 0.05
+    # every timed phase is in the model: none of it is left as unexplained overhead
+    assert fit.costs.step_overhead_s < 0.2 * fit.measured_step_s
+
+
+def test_fit_of_a_full_batch_run_reproduces_it() -> None:
+    """Full batch with K epochs times them outside the chunk (the log-prob pass, then
+    K forward + backward passes and K optimizer steps): all of it is modelled, none
+    is left as per-step overhead."""
+    fit = fit_run(FULL_RUN)
+    assert fit.workload.min_groups == fit.workload.batch == 64
+    assert fit.costs.policy_epochs == 4 and fit.costs.actor_forward_per_sample > 0
+    predicted = simulate(fit.workload, fit.generation, fit.costs, fit.lengths).step_s
+    assert abs(predicted - fit.measured_step_s) / fit.measured_step_s < 0.05
+    assert fit.costs.step_overhead_s < 0.1 * fit.measured_step_s
+
+
+def test_cli_prints_the_fit_and_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--from", str(RUN), "--min-groups", "8,16,64"]) == 0
+    out = capsys.readouterr().out
+    assert "fitted on 3 step(s): measured 1.303 s/step" in out
+    assert main(["simulate", "--from", str(RUN), "--skip-steps", "3"]) == 0
+    assert "fitted on 1 step(s): measured 1.222 s/step" in capsys.readouterr().out
+    assert "SIMULATION (a projection" in out
+    rows = [
+        line.split() for line in out.splitlines() if line.strip().split(" ")[0] in ("8", "16", "64")
+    ]
+    assert [r[0] for r in rows] == ["8", "16", "64"]
+
+
+def test_what_if_options_change_the_projection(capsys: pytest.CaptureFixture[str]) -> None:
+    fit = fit_run(RUN)
+    base = simulate_run(fit, minimums=[16])
+    assert simulate_run(fit, minimums=[16], batch=32).full_batch.workload.batch == 32
+    assert simulate_run(fit, minimums=[16], batch=32).rows[0].step_s < base.rows[0].step_s
+    assert simulate_run(fit, minimums=[16], engines=1) == base  # the run had one engine
+    assert simulate_run(fit, minimums=[16], lookahead=1).full_batch.workload.lookahead == 1
+    assert main(["simulate", "--from", str(RUN), "--no-streaming", "--engines", "2"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("  min ") :].splitlines()[1:]
+    assert len(table) == 1 and table[0].split()[0] == "64"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--min-groups", "99"], "min_groups_for_streaming_train=99 exceeds", id="min"),
+        pytest.param(
+            ["--no-streaming", "--min-groups", "8"], "--no-streaming contradict", id="mix"
+        ),
+        pytest.param(["--engines", "0"], "engines=0", id="engines"),
+        pytest.param(["--batch", "0"], "num_prompts_per_step=0", id="batch"),
+        pytest.param(["--skip-steps", "-1"], "--skip-steps=-1", id="skip"),
+    ],
+)
+def test_bad_options_exit_2_naming_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--from", str(RUN), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_not_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--from", str(tmp_path)]) == 2
+    assert "config.yaml is missing" in capsys.readouterr().err
+    shutil.copy(RUN / "config.yaml", tmp_path)
+    lines = (RUN / "metrics.jsonl").read_text().splitlines()
+    old = [{k: v for k, v in json.loads(x).items() if k != "rollout/group_len_max"} for x in lines]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert main(["simulate", "--from", str(tmp_path)]) == 2
+    assert "no rollout/group_len_max for step(s) [0, 1, 2, 3]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_end_to_end_from_a_fresh_run(tmp_path: Path) -> None:
+    """A real run through the CLI, then ``ppo-driver simulate`` on its directory."""
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "ppo_driver.cli", "train", "--run-dir", str(run)]
+    overrides = [*TINY_RUN, "run.num_steps=3", "run.checkpoint_every=0", "--no-progress"]
+    done = subprocess.run([*train, *overrides], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _rows(run)
+    assert all(len(r["rollout/group_len_max"]) == 8 for r in rows)  # type: ignore[arg-type]
+    sim = [
+        sys.executable,
+        "-m",
+        "ppo_driver.cli",
+        "simulate",
+        "--from",
+        str(run),
+        "--min-groups",
+        "2,8",
+    ]
+    out = subprocess.run(sim, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "fitted on 2 step(s)" in out.stdout and "SIMULATION" in out.stdout
+
+
+def test_generation_speed_comes_from_windows_the_pump_saw_end() -> None:
+    """A window that ends as a wait of its step ends was observed as it ended; one that
+    ends while the pump trained (no wait there) is only an upper bound."""
+    from ppo_driver.simulate import _observed_ends
+
+    def event(cat: str, step: int, ts: float, dur: float) -> dict[str, object]:
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "args": {"step": step}}
+
+    events = [
+        event("generation", 1, 0.0, 2e6),
+        event("wait", 1, 1.5e6, 0.5e6 + 10_000),  # ends 10 ms after the window: observed
+        event("generation", 2, 3e6, 2e6),
+        event("wait", 2, 3e6, 0.5e6),  # ends 1.5 s before the window: not observed
+        event("generation", 3, 6e6, 1e6),  # no wait at all
+    ]
+    assert _observed_ends(events) == {1}

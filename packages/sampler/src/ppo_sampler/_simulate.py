@@ -1,0 +1,671 @@
+"""A discrete-event model of streaming PPO steps, driven by the package's own gate.
+
+The simulation does not re-implement the chunk decision: every poll asks a real sampler
+(:func:`ppo_sampler.make_sampler`, i.e. :class:`InOrderSampler` or
+:class:`ReadyFirstSampler` over :func:`plan_chunk`) which groups to train on, exactly as
+the driver's pump does. What is modelled is time:
+
+* **generation** (:class:`GenerationModel`): each group's samples get response lengths
+  (:class:`LognormalLengths` or :class:`MeasuredLengths`); a group is done when its
+  longest sample is. An engine decodes ``concurrency`` sequences at ``tokens_per_s``
+  in all, so one sequence advances at ``tokens_per_s / concurrency`` tokens/s whether
+  the engine is full or not (decoding is memory-bound: a half-empty engine in the tail
+  is not faster per sequence). ``batching="continuous"`` lets a group start as soon as
+  a slot is free (sglang, vLLM); ``"rounds"`` lets it join only the next round (the
+  embedded engine: a round takes every waiting group and ends with its longest one).
+  Groups are dispatched in prompt order under the sampler's lookahead bound
+  (``can_dispatch``) and ``max_in_flight``, when the driver polls: at a step's start,
+  at each arrival while it waits, and after the early refit.
+* **training** (:class:`TrainingCosts`), on one device timeline, in the pump's order
+  (DESIGN.md's schedule): per chunk a value forward, a switch, the actor's forward and
+  backward, and (when more chunks follow) the switch back, which runs while the pump
+  waits; after the chunks one optimizer step, the early refit (the next step's prompts
+  may go out then), a switch and ``critic_epochs`` epochs over the whole batch.
+
+All times are seconds. The model is a projection: it knows nothing of memory limits,
+stragglers, network contention or engine preemption; a fitted model's error on this
+machine is in the README ("Planning with the simulator").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppo_sampler._chunk import single_chunk_only
+from ppo_sampler._config import SamplerConfig, make_sampler
+from ppo_sampler._samplers import Sampler
+
+__all__ = [
+    "GenerationModel",
+    "LognormalLengths",
+    "MeasuredLengths",
+    "MinimumRow",
+    "SimStep",
+    "SimulationResult",
+    "SimulationTable",
+    "TrainingCosts",
+    "Workload",
+    "default_minimums",
+    "simulate",
+    "simulate_minimums",
+]
+
+BATCHING = ("continuous", "rounds")
+
+
+def _number(owner: str, name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a finite float ``>= 0`` (``> 0`` when ``positive``), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{owner}: {name}={value!r} must be a finite number")
+    if value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(
+            f"{owner}: {name}={value!r} must be {bound}; a cost, a speed or a length "
+            "cannot be negative"
+        )
+    return float(value)
+
+
+def _count(owner: str, name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {name}={value!r} must be an int >= {minimum}")
+    return value
+
+
+# ---------------------------------------------------------------------- lengths
+@dataclass(frozen=True, kw_only=True)
+class LognormalLengths:
+    """Response lengths in tokens: ``median * exp(sigma * N(0, 1))``, rounded, clipped to
+    ``[min_tokens, max_tokens]`` (a long tail whose end is the generation limit)."""
+
+    median: float
+    sigma: float
+    max_tokens: int
+    min_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        own = "LognormalLengths"
+        _number(own, "median", self.median, positive=True)
+        _number(own, "sigma", self.sigma)
+        _count(own, "min_tokens", self.min_tokens, minimum=1)
+        _count(own, "max_tokens", self.max_tokens, minimum=self.min_tokens)
+
+    def draw(self, rng: random.Random) -> int:
+        tokens = round(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))
+        return min(self.max_tokens, max(self.min_tokens, tokens))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredLengths:
+    """Response lengths from a list (e.g. measured in a run). ``resample=True`` draws
+    with replacement; ``False`` takes them in order, cycling (exact schedules).
+    ``per_group=True``: each length is a whole group's (its longest sample), drawn once
+    per group; else one per sample."""
+
+    lengths: tuple[int, ...]
+    resample: bool = True
+    per_group: bool = False
+
+    def __post_init__(self) -> None:
+        own = "MeasuredLengths"
+        if not isinstance(self.lengths, tuple) or not self.lengths:
+            raise ValueError(
+                f"{own}: lengths={self.lengths!r} must be a non-empty tuple of token counts; "
+                "give at least one measured response length"
+            )
+        for i, n in enumerate(self.lengths):
+            _count(own, f"lengths[{i}]", n, minimum=0)
+        for name in ("resample", "per_group"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{own}: {name}={getattr(self, name)!r} must be a bool")
+
+
+Lengths = LognormalLengths | MeasuredLengths
+
+
+class _LengthSource:
+    """Lengths in dispatch order, the same sequence whatever the schedule (so every
+    minimum of a sweep sees the same groups: common random numbers)."""
+
+    def __init__(self, model: Lengths, seed: int) -> None:
+        self.model = model
+        self.rng = random.Random(seed)
+        self.index = 0
+
+    def next(self) -> int:
+        model = self.model
+        if isinstance(model, LognormalLengths):
+            return model.draw(self.rng)
+        if model.resample:
+            return self.rng.choice(model.lengths)
+        value = model.lengths[self.index % len(model.lengths)]
+        self.index += 1
+        return value
+
+
+# ---------------------------------------------------------------------- models
+@dataclass(frozen=True, kw_only=True)
+class GenerationModel:
+    """The generation side: ``engines`` engines, each decoding up to ``concurrency``
+    sequences at ``tokens_per_s`` tokens/s in all.
+
+    ``latency_s`` is added to every group (prefill, reward scoring, the driver's
+    collection); with ``batching="rounds"`` a round starts ``latency_s`` after the first
+    group of it arrived instead (the embedded engine's gather window).
+    """
+
+    tokens_per_s: float
+    concurrency: int
+    engines: int = 1
+    batching: str = "continuous"
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        own = "GenerationModel"
+        _number(own, "tokens_per_s", self.tokens_per_s, positive=True)
+        _count(own, "concurrency", self.concurrency, minimum=1)
+        _count(own, "engines", self.engines, minimum=1)
+        _number(own, "latency_s", self.latency_s)
+        if self.batching not in BATCHING:
+            raise ValueError(
+                f"{own}: batching={self.batching!r} is unknown; choose 'continuous' "
+                "(a group starts when a slot frees) or 'rounds' (the embedded engine)"
+            )
+
+    @property
+    def seconds_per_token(self) -> float:
+        """Decode time of one token of one sequence."""
+        return self.concurrency / self.tokens_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingCosts:
+    """Seconds on the training devices. ``*_per_sample`` costs scale with the samples
+    of a chunk (value forward, actor forward + backward) or the step (critic training,
+    per epoch); the others are paid once per chunk, per step or per switch.
+
+    ``policy_epochs`` > 1 (the project's extension): streaming runs epoch 1 in the
+    chunks and epochs 2..K over the whole batch after them, each with its optimizer
+    step; full batch first runs a log-prob forward (``actor_forward_per_sample``) and
+    then K epochs over the batch (the driver's pump does the same)."""
+
+    value_forward_per_sample: float = 0.0
+    actor_train_per_sample: float = 0.0
+    critic_train_per_sample: float = 0.0
+    actor_forward_per_sample: float = 0.0
+    actor_epoch_per_sample: float | None = None
+    """Streaming's epochs 2..K over the kept chunks, per sample and epoch (None: as
+    ``actor_train_per_sample``)."""
+    critic_epochs: int = 1
+    policy_epochs: int = 1
+    optimizer_s: float = 0.0
+    refit_s: float = 0.0
+    switch_s: float = 0.0
+    chunk_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        own = "TrainingCosts"
+        for name in (
+            "value_forward_per_sample",
+            "actor_train_per_sample",
+            "critic_train_per_sample",
+            "actor_forward_per_sample",
+            "optimizer_s",
+            "refit_s",
+            "switch_s",
+            "chunk_overhead_s",
+            "step_overhead_s",
+        ):
+            _number(own, name, getattr(self, name))
+        if self.actor_epoch_per_sample is not None:
+            _number(own, "actor_epoch_per_sample", self.actor_epoch_per_sample)
+        _count(own, "critic_epochs", self.critic_epochs, minimum=1)
+        _count(own, "policy_epochs", self.policy_epochs, minimum=1)
+
+    def chunk_s(self, samples: int, *, backward: bool = True) -> float:
+        """A chunk's work without the switches (value forward, actor, fixed overhead)."""
+        per = self.value_forward_per_sample + (self.actor_train_per_sample if backward else 0.0)
+        return self.chunk_overhead_s + per * samples
+
+    def after_chunks_s(self, samples: int, *, logprob_pass: bool) -> float:
+        """The policy's work after the chunks: optimizer steps and epochs 2..K (with
+        ``logprob_pass``, full batch with K > 1: the log-prob forward and all K epochs)."""
+        if logprob_pass:
+            epoch = self.actor_train_per_sample * samples + self.optimizer_s
+            return self.actor_forward_per_sample * samples + self.policy_epochs * epoch
+        later = self.actor_epoch_per_sample
+        per = self.actor_train_per_sample if later is None else later
+        return self.optimizer_s + (self.policy_epochs - 1) * (per * samples + self.optimizer_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One step's shape and the sampler's settings (the document's keys)."""
+
+    batch: int
+    """``ppo.num_prompts_per_step``."""
+    min_groups: int
+    """``async_rl.min_groups_for_streaming_train`` (== ``batch``: full batch)."""
+    samples_per_group: int = 1
+    """``ppo.num_generations_per_prompt``."""
+    alignment: int = 1
+    """The group alignment (:func:`ppo_sampler.group_alignment`)."""
+    sampler: str = "in_order"
+    """``async_rl.sampler.name``."""
+    lookahead: int = 1
+    """``async_rl.sampler.max_lookahead_versions`` (``in_order``) and
+    ``max_staleness_versions`` (``ready_first``): both bounds get this value."""
+    max_in_flight: int = 0
+    """``async_rl.max_prompts_in_flight``; 0: ``batch * (1 + lookahead)``."""
+
+    def __post_init__(self) -> None:
+        own = "Workload"
+        self.sampler_config()  # the sampler's own checks: batch, minimum, name, lookahead
+        _count(own, "samples_per_group", self.samples_per_group, minimum=1)
+        _count(own, "alignment", self.alignment, minimum=1)
+        _count(own, "max_in_flight", self.max_in_flight, minimum=0)
+        single_chunk_only(batch=self.batch, min_groups=self.min_groups, alignment=self.alignment)
+
+    def sampler_config(self) -> SamplerConfig:
+        return SamplerConfig(
+            num_prompts_per_step=self.batch,
+            min_groups_for_streaming_train=self.min_groups,
+            name=self.sampler,
+            max_lookahead_versions=self.lookahead,
+            max_staleness_versions=self.lookahead,
+        )
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.max_in_flight or self.batch * (1 + self.lookahead)
+
+    def with_min_groups(self, min_groups: int) -> Workload:
+        return Workload(
+            batch=self.batch,
+            min_groups=min_groups,
+            samples_per_group=self.samples_per_group,
+            alignment=self.alignment,
+            sampler=self.sampler,
+            lookahead=self.lookahead,
+            max_in_flight=self.max_in_flight,
+        )
+
+
+# ---------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class SimStep:
+    """One simulated step. ``start_s``/``end_s``: the training timeline (the previous
+    step's end to the end of critic training); ``generation_s``: the step's first
+    dispatch to its last group's finish; ``busy_s``: training-device work in the step."""
+
+    step: int
+    start_s: float
+    end_s: float
+    chunk_groups: tuple[int, ...]
+    busy_s: float
+    generation_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Steps of one setting; means are over the steps after ``warmup_steps``."""
+
+    workload: Workload
+    steps: tuple[SimStep, ...]
+    warmup_steps: int
+
+    @property
+    def measured(self) -> tuple[SimStep, ...]:
+        return self.steps[self.warmup_steps :] or self.steps
+
+    @property
+    def step_s(self) -> float:
+        return statistics.fmean(s.step_s for s in self.measured)
+
+    @property
+    def chunks_per_step(self) -> float:
+        return statistics.fmean(len(s.chunk_groups) for s in self.measured)
+
+    @property
+    def idle_frac(self) -> float:
+        """Fraction of the measured steps' time the training devices did nothing."""
+        total = sum(s.step_s for s in self.measured)
+        return 1.0 - sum(s.busy_s for s in self.measured) / total if total > 0 else 0.0
+
+    @property
+    def non_final_samples(self) -> float:
+        """Mean samples per step trained in chunks before the last one."""
+        spg = self.workload.samples_per_group
+        return statistics.fmean(spg * sum(s.chunk_groups[:-1]) for s in self.measured)
+
+
+@dataclass(frozen=True)
+class MinimumRow:
+    """One minimum of a sweep against the full batch (same lengths, same costs).
+
+    ``overlap_efficiency``: hidden / hideable work, hidden = full-batch step time minus
+    streaming step time, hideable = the chunk work (value forward, actor forward and
+    backward) of the samples streaming trains before its last chunk; ``None`` when
+    nothing is hideable (one chunk per step)."""
+
+    min_groups: int
+    step_s: float
+    full_batch_step_s: float
+    chunks_per_step: float
+    chunk_groups: tuple[int, ...]
+    idle_frac: float
+    overlap_efficiency: float | None
+    single_chunk_only: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.full_batch_step_s / self.step_s if self.step_s > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class SimulationTable:
+    rows: tuple[MinimumRow, ...]
+    full_batch: SimulationResult
+    recommended_min_groups: int
+    """The swept minimum with the shortest step; ties go to the larger minimum (fewer
+    switches, closer to full-batch learning)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The table as JSON-ready data (a notebook's or a script's view)."""
+        return {
+            "workload": dataclasses.asdict(self.full_batch.workload),
+            "full_batch_step_s": self.full_batch.step_s,
+            "full_batch_idle_frac": self.full_batch.idle_frac,
+            "recommended_min_groups": self.recommended_min_groups,
+            "rows": [
+                {
+                    **dataclasses.asdict(r),
+                    "speedup": r.speedup,
+                    "chunk_groups": list(r.chunk_groups),
+                }
+                for r in self.rows
+            ],
+        }
+
+    def format(self) -> str:
+        wl = self.full_batch.workload
+        lines = [
+            f"SIMULATION (a projection, not a measurement): batch={wl.batch} groups x "
+            f"{wl.samples_per_group} samples, sampler={wl.sampler}, lookahead={wl.lookahead}",
+            f"full batch: {self.full_batch.step_s:.3f} s/step, "
+            f"idle {self.full_batch.idle_frac:.1%}",
+            f"{'min':>5} {'step_s':>9} {'full_s':>9} {'speedup':>7} {'chunks':>6} "
+            f"{'idle':>6} {'overlap':>7}  chunk sizes (first measured step)",
+        ]
+        for r in self.rows:
+            eff = "-" if r.overlap_efficiency is None else f"{r.overlap_efficiency:.2f}"
+            mark = " <- recommended" if r.min_groups == self.recommended_min_groups else ""
+            sizes = "+".join(map(str, r.chunk_groups))
+            one = " (single chunk only)" if r.single_chunk_only and r.min_groups < wl.batch else ""
+            lines.append(
+                f"{r.min_groups:>5} {r.step_s:>9.3f} {r.full_batch_step_s:>9.3f} "
+                f"{r.speedup:>6.2f}x {r.chunks_per_step:>6.2f} {r.idle_frac:>6.1%} "
+                f"{eff:>7}  {sizes}{one}{mark}"
+            )
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the engines
+@dataclass
+class _Engine:
+    """Continuous: the times its slots free up. Rounds: ``[start, end, groups]`` rows."""
+
+    slots: list[float] = field(default_factory=list)
+    rounds: list[list[float]] = field(default_factory=list)
+    load: int = 0
+
+
+class _Generation:
+    def __init__(self, model: GenerationModel, spg: int) -> None:
+        self.model = model
+        self.spg = spg
+        self.slots = max(1, model.concurrency // spg)  # groups per engine
+        self.engines = [_Engine() for _ in range(model.engines)]
+
+    def finish_time(self, now: float, group_len: int) -> tuple[int, float]:
+        """Dispatch a group of ``group_len`` tokens (its longest sample) at ``now``;
+        returns (engine, finish time). The least loaded engine takes it."""
+        index = min(range(len(self.engines)), key=lambda i: (self.engines[i].load, i))
+        engine = self.engines[index]
+        engine.load += 1
+        decode = group_len * self.model.seconds_per_token
+        if self.model.batching == "continuous":
+            full = len(engine.slots) >= self.slots  # then it waits for the first free slot
+            start = max(now, heapq.heappop(engine.slots)) if full else now
+            end = start + self.model.latency_s + decode
+            heapq.heappush(engine.slots, end)
+            return index, end
+        rounds = engine.rounds
+        last = rounds[-1] if rounds else None
+        if last is not None and now <= last[0] and last[2] < self.slots:
+            last[1] = max(last[1], last[0] + decode)  # joins the round still gathering
+            last[2] += 1
+            return index, last[0] + decode
+        start = now + self.model.latency_s
+        if last is not None:
+            start = max(start, last[1])
+        rounds.append([start, start + decode, 1])
+        return index, start + decode
+
+    def done(self, engine: int) -> None:
+        self.engines[engine].load -= 1
+
+
+# ---------------------------------------------------------------------- the simulation
+class _Run:
+    """The state of one simulation: the real sampler, the generation side, the clock."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        generation: GenerationModel,
+        costs: TrainingCosts,
+        lengths: Lengths,
+        seed: int,
+    ) -> None:
+        self.wl = workload
+        self.costs = costs
+        self.sampler: Sampler = make_sampler(workload.sampler_config())
+        self.gen = _Generation(generation, workload.samples_per_group)
+        self.lengths = _LengthSource(lengths, seed)
+        self.arrivals: list[tuple[float, int, int, int, int]] = []  # (t, gid, step, ver, eng)
+        self.next_gid = 0
+        self.in_flight = 0
+        self.weight_version = 0
+        self.admit = 0  # the trainer step the dispatch bound is measured from
+        self.first_dispatch: dict[int, float] = {}
+        self.last_finish: dict[int, float] = {}
+
+    def dispatch(self, now: float) -> None:
+        """What the rollout manager sends at a poll: prompts in order, lookahead-bound."""
+        batch = self.wl.batch
+        while self.in_flight < self.wl.in_flight_limit:
+            step = self.next_gid // batch
+            if not self.sampler.can_dispatch(step, trainer_step=self.admit):
+                return
+            model = self.lengths.model
+            draws = 1 if isinstance(model, MeasuredLengths) and model.per_group else None
+            group_len = max(self.lengths.next() for _ in range(draws or self.wl.samples_per_group))
+            engine, end = self.gen.finish_time(now, group_len)
+            self.first_dispatch.setdefault(step, now)
+            heapq.heappush(self.arrivals, (end, self.next_gid, step, self.weight_version, engine))
+            self.next_gid += 1
+            self.in_flight += 1
+
+    def arrive_until(self, now: float) -> None:
+        """File every group finished by ``now`` (the sampler's ``add``), then dispatch."""
+        while self.arrivals and self.arrivals[0][0] <= now:
+            end, gid, step, version, engine = heapq.heappop(self.arrivals)
+            self.gen.done(engine)
+            self.in_flight -= 1
+            self.last_finish[step] = max(self.last_finish.get(step, end), end)
+            self.sampler.add(gid, step=step, weight_version=version)
+        self.dispatch(now)
+
+    def wait_for_chunk(self, poll_s: float, step: int, remaining: int) -> tuple[float, list[int]]:
+        """Poll at ``poll_s`` and then at each arrival until the sampler releases a chunk."""
+        now = poll_s
+        while True:
+            self.arrive_until(now)
+            ids = self.sampler.select(
+                trainer_step=step,
+                trainer_version=self.weight_version,
+                remaining=remaining,
+                min_groups=self.wl.min_groups,
+                alignment=self.wl.alignment,
+            )
+            if ids:
+                return now, [int(g) for g in ids]
+            assert self.arrivals, "the sampler waits while nothing is generating (a bug)"
+            now = self.arrivals[0][0]
+
+    def step(self, step: int, start: float) -> SimStep:
+        c, wl = self.costs, self.wl
+        self.admit = step
+        self.arrive_until(start)
+        poll = device = start
+        busy = 0.0
+        chunks: list[int] = []
+        claimed: list[int] = []
+        remaining = wl.batch
+        logprob_pass = wl.min_groups == wl.batch and c.policy_epochs > 1
+        while remaining:
+            released, ids = self.wait_for_chunk(poll, step, remaining)
+            claimed += ids
+            remaining -= len(ids)
+            chunks.append(len(ids))
+            samples = len(ids) * wl.samples_per_group
+            work = c.chunk_s(samples, backward=not logprob_pass) + c.switch_s
+            device = max(released, device) + work
+            busy += work
+            poll = device  # the pump polls again once the actor's call returned
+            if remaining:  # the critic wakes while the pump waits (queued switch)
+                device += c.switch_s
+                busy += c.switch_s
+        # the policy's update(s), the early refit, then the next step may be generated
+        samples = wl.batch * wl.samples_per_group
+        update = c.after_chunks_s(samples, logprob_pass=logprob_pass) + c.refit_s
+        device += update
+        self.weight_version += 1
+        self.admit = step + 1
+        self.arrive_until(device)
+        tail = c.switch_s + c.critic_train_per_sample * samples * c.critic_epochs
+        tail += c.step_overhead_s
+        device += tail
+        busy += update + tail
+        self.sampler.mark_consumed(claimed)
+        generation = self.last_finish[step] - self.first_dispatch[step]
+        return SimStep(step, start, device, tuple(chunks), busy, generation)
+
+
+def simulate(
+    workload: Workload,
+    generation: GenerationModel,
+    costs: TrainingCosts,
+    lengths: Lengths,
+    *,
+    steps: int = 8,
+    warmup_steps: int = 1,
+    seed: int = 0,
+) -> SimulationResult:
+    """Simulate ``steps`` consecutive steps of ``workload``; see the module docstring.
+
+    Raises:
+        ValueError: naming the argument, for ``steps < 1`` or ``warmup_steps`` not in
+            ``[0, steps)`` (the models check their own fields when built).
+    """
+    _count("simulate", "steps", steps, minimum=1)
+    _count("simulate", "warmup_steps", warmup_steps, minimum=0)
+    if warmup_steps >= steps:
+        raise ValueError(
+            f"simulate: warmup_steps={warmup_steps} leaves none of steps={steps} measured; "
+            "set warmup_steps below steps"
+        )
+    _count("simulate", "seed", seed, minimum=0)
+    run = _Run(workload, generation, costs, lengths, seed)
+    out: list[SimStep] = []
+    clock = 0.0
+    for step in range(steps):
+        out.append(run.step(step, clock))
+        clock = out[-1].end_s
+    return SimulationResult(workload, tuple(out), warmup_steps)
+
+
+def default_minimums(batch: int, alignment: int = 1) -> list[int]:
+    """A sweep: fractions of the batch (1/16 .. 3/4), the last minimum that can still
+    split (about two thirds), and the batch itself; aligned, distinct, ascending."""
+    picks = {max(1, round(batch * f)) for f in (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)}
+    splits = [m for m in range(1, batch) if not single_chunk_only(batch=batch, min_groups=m)]
+    if splits:
+        picks.add(splits[-1])
+    picks.add(batch)
+    aligned = {max(alignment, m - m % alignment) for m in picks}
+    return sorted(m for m in aligned if m <= batch)
+
+
+def simulate_minimums(
+    workload: Workload,
+    generation: GenerationModel,
+    costs: TrainingCosts,
+    lengths: Lengths,
+    *,
+    minimums: Sequence[int] | None = None,
+    steps: int = 8,
+    warmup_steps: int = 1,
+    seed: int = 0,
+) -> SimulationTable:
+    """Simulate each minimum (default :func:`default_minimums`) and the full batch with
+    the same lengths and costs; returns the table (``.format()`` prints it).
+
+    Raises:
+        ValueError: for an empty ``minimums`` or one the sampler refuses (e.g. above
+            the batch), naming it.
+    """
+    chosen = list(
+        default_minimums(workload.batch, workload.alignment) if minimums is None else minimums
+    )
+    if not chosen:
+        raise ValueError("simulate_minimums: minimums=[] is empty; give at least one minimum")
+    kw = {"steps": steps, "warmup_steps": warmup_steps, "seed": seed}
+    full = simulate(workload.with_min_groups(workload.batch), generation, costs, lengths, **kw)
+    rows: list[MinimumRow] = []
+    for low in chosen:
+        wl = workload.with_min_groups(low)
+        result = full if low == workload.batch else simulate(wl, generation, costs, lengths, **kw)
+        hideable = (
+            costs.value_forward_per_sample + costs.actor_train_per_sample
+        ) * result.non_final_samples
+        hidden = full.step_s - result.step_s
+        rows.append(
+            MinimumRow(
+                min_groups=low,
+                step_s=result.step_s,
+                full_batch_step_s=full.step_s,
+                chunks_per_step=result.chunks_per_step,
+                chunk_groups=result.measured[0].chunk_groups,
+                idle_frac=result.idle_frac,
+                overlap_efficiency=hidden / hideable if hideable > 0 else None,
+                single_chunk_only=single_chunk_only(
+                    batch=wl.batch, min_groups=low, alignment=wl.alignment
+                ),
+            )
+        )
+    best = min(rows, key=lambda r: (round(r.step_s, 9), -r.min_groups))
+    return SimulationTable(tuple(rows), full, best.min_groups)

@@ -1,0 +1,283 @@
+"""The step simulator: the document's gate examples come out of it, it drives the real
+sampler, its degenerate cases are exact, and bad inputs are refused clearly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ppo_sampler._samplers
+import pytest
+from ppo_sampler import (
+    GenerationModel,
+    LognormalLengths,
+    MeasuredLengths,
+    TrainingCosts,
+    Workload,
+    chunk_schedule,
+    simulate,
+    simulate_minimums,
+)
+from ppo_sampler.__main__ import main
+from ppo_sampler._presets import PRESETS
+from ppo_sampler._simulate import default_minimums
+
+FAST = GenerationModel(tokens_per_s=1000.0, concurrency=1000)
+"""1 ms per token per sequence; every group of two steps decodes at once."""
+COSTS = TrainingCosts(
+    value_forward_per_sample=0.01,
+    actor_train_per_sample=0.03,
+    critic_train_per_sample=0.03,
+    critic_epochs=2,
+    optimizer_s=0.2,
+    refit_s=0.3,
+    switch_s=0.1,
+    chunk_overhead_s=0.02,
+)
+# the document's example: 88 groups finish first, then 32, then the last 8
+WAVES_88_32_8 = MeasuredLengths(lengths=(10,) * 88 + (20,) * 32 + (30,) * 8, resample=False)
+
+
+def _chunks(
+    workload: Workload, lengths: MeasuredLengths, costs: TrainingCosts = COSTS
+) -> set[tuple[int, ...]]:
+    result = simulate(workload, FAST, costs, lengths, steps=4, warmup_steps=0)
+    return {s.chunk_groups for s in result.steps}
+
+
+def test_88_plus_40_comes_out_of_the_simulator() -> None:
+    wl = Workload(batch=128, min_groups=32, lookahead=0)
+    assert _chunks(wl, WAVES_88_32_8) == {(88, 40)}  # not 88 + 32 + 8
+
+
+def test_every_minimum_chunks_as_the_pure_gate_replays_it() -> None:
+    """Groups finishing one at a time and free training: the simulator polls at every
+    arrival, so its chunks are chunk_schedule's over 0, 1, ..., 128 ready; the two-thirds
+    rule follows: 86..127 run as one chunk, 85 still splits."""
+    one_by_one = MeasuredLengths(lengths=tuple(range(1, 129)), resample=False)
+    free = TrainingCosts()
+    for low in range(1, 129):
+        wl = Workload(batch=128, min_groups=low, lookahead=0)
+        expected = tuple(chunk_schedule(list(range(129)), batch=128, min_groups=low))
+        assert _chunks(wl, one_by_one, free) == {expected}, low
+    assert _chunks(Workload(batch=128, min_groups=85, lookahead=0), one_by_one, free) == {(85, 43)}
+    for low in (86, 100, 127):
+        assert _chunks(Workload(batch=128, min_groups=low, lookahead=0), one_by_one, free) == {
+            (128,)
+        }
+
+
+def test_two_thirds_rule_in_the_sweep_table() -> None:
+    lengths = LognormalLengths(median=50, sigma=1.0, max_tokens=400)
+    table = simulate_minimums(
+        Workload(batch=128, min_groups=32, lookahead=0), FAST, COSTS, lengths, steps=4
+    )
+    by_min = {r.min_groups: r for r in table.rows}
+    assert set(default_minimums(128)) == set(by_min)
+    assert by_min[85].chunks_per_step > 1 and not by_min[85].single_chunk_only
+    assert by_min[96].single_chunk_only and by_min[96].chunks_per_step == 1
+    assert by_min[96].step_s == table.full_batch.step_s
+
+
+def test_a_change_to_the_gate_changes_the_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The samplers call plan_chunk; replacing it changes what the simulator chunks."""
+    wl = Workload(batch=128, min_groups=32, lookahead=0)
+    before = simulate(wl, FAST, COSTS, WAVES_88_32_8, steps=3).step_s
+
+    def greedy(*, ready: int, remaining: int, min_groups: int, alignment: int = 1) -> int:
+        return min(ready, remaining) if ready >= min(min_groups, remaining) else 0
+
+    monkeypatch.setattr(ppo_sampler._samplers, "plan_chunk", greedy)
+    assert _chunks(wl, WAVES_88_32_8) == {(88, 32, 8)}  # no tail floor: one switch more
+    assert simulate(wl, FAST, COSTS, WAVES_88_32_8, steps=3).step_s != before
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+@pytest.mark.parametrize("spg", [1, 4])
+def test_groups_finishing_at_once_make_streaming_equal_full_batch(lookahead: int, spg: int) -> None:
+    same = MeasuredLengths(lengths=(37,))
+    wl = Workload(batch=64, min_groups=8, samples_per_group=spg, lookahead=lookahead)
+    table = simulate_minimums(wl, FAST, COSTS, same, minimums=[1, 8, 16, 40, 64], steps=5)
+    for row in table.rows:
+        assert row.step_s == table.full_batch.step_s
+        assert row.chunks_per_step == 1
+
+
+@pytest.mark.parametrize("batching", ["continuous", "rounds"])
+def test_free_training_and_switches_make_step_time_the_generation_time(batching: str) -> None:
+    lengths = LognormalLengths(median=40, sigma=0.8, max_tokens=300)
+    gen = GenerationModel(tokens_per_s=500.0, concurrency=1000, batching=batching)
+    for low in (4, 16, 64):
+        result = simulate(
+            Workload(batch=64, min_groups=low, lookahead=0), gen, TrainingCosts(), lengths
+        )
+        for step in result.steps:
+            assert step.step_s == step.generation_s
+            assert step.busy_s == 0.0
+        assert result.idle_frac == 1.0
+
+
+def test_longest_group_sets_generation_time() -> None:
+    gen = GenerationModel(tokens_per_s=100.0, concurrency=10)  # 0.1 s per token
+    lengths = MeasuredLengths(lengths=(5, 50, 7), resample=False)
+    result = simulate(Workload(batch=3, min_groups=3, lookahead=0), gen, TrainingCosts(), lengths)
+    assert result.steps[0].generation_s == pytest.approx(5.0)
+
+
+def test_per_group_lengths_are_drawn_once_per_group() -> None:
+    gen = GenerationModel(tokens_per_s=100.0, concurrency=100)
+    wl = Workload(batch=2, min_groups=2, samples_per_group=4, lookahead=0)
+    per_group = MeasuredLengths(lengths=(10, 20), resample=False, per_group=True)
+    per_sample = MeasuredLengths(lengths=(10, 20), resample=False)
+    free = TrainingCosts()
+    # per group: the groups take 10 and 20 tokens; per sample: each group's max is 20
+    assert simulate(wl, gen, free, per_group, steps=2).steps[0].generation_s == pytest.approx(20.0)
+    assert simulate(wl, gen, free, per_sample, steps=2).steps[0].generation_s == pytest.approx(20.0)
+    assert [s.generation_s for s in simulate(wl, gen, free, per_group, steps=3).steps] == [
+        pytest.approx(20.0)
+    ] * 3
+
+
+def test_rounds_wait_for_the_running_round() -> None:
+    """Two groups in flight at most, lookahead 1, 0.1 s per token. Group 0 (10 tokens)
+    ends at 1 s and group 2 (30 tokens, step 1) is sent then: continuously batched it
+    ends at 4 s; in rounds it waits for the round of group 1 (30 tokens, until 3 s) and
+    ends at 6 s. Group 3 (10 tokens) is sent at 3 s: it ends at 4 s either way."""
+    lengths = MeasuredLengths(lengths=(10, 30, 30, 10), resample=False)
+    wl = Workload(batch=2, min_groups=1, lookahead=1, max_in_flight=2)
+    ends = {}
+    for batching in ("continuous", "rounds"):
+        gen = GenerationModel(tokens_per_s=1000.0, concurrency=100, batching=batching)
+        result = simulate(wl, gen, TrainingCosts(), lengths, steps=2, warmup_steps=0)
+        ends[batching] = result.steps[1].generation_s  # step 1's groups: sent at 1 s
+    assert ends == {"continuous": pytest.approx(3.0), "rounds": pytest.approx(5.0)}
+
+
+def test_streaming_hides_chunk_work_behind_a_long_tail() -> None:
+    lengths = LognormalLengths(median=200, sigma=0.9, max_tokens=4000)
+    gen = GenerationModel(tokens_per_s=5000.0, concurrency=256, engines=2)
+    table = simulate_minimums(
+        Workload(batch=128, min_groups=32, samples_per_group=4, lookahead=0),
+        gen,
+        COSTS,
+        lengths,
+        steps=5,
+    )
+    best = next(r for r in table.rows if r.min_groups == table.recommended_min_groups)
+    assert table.recommended_min_groups < 128
+    assert best.speedup > 1.0
+    assert best.overlap_efficiency is not None and 0 < best.overlap_efficiency <= 1.5
+    assert 0 < best.idle_frac < table.full_batch.idle_frac
+    assert "SIMULATION" in table.format() and "<- recommended" in table.format()
+
+
+def test_same_seed_same_result_other_seed_other_lengths() -> None:
+    lengths = LognormalLengths(median=50, sigma=1.0, max_tokens=500)
+    wl = Workload(batch=32, min_groups=8)
+    a = simulate(wl, FAST, COSTS, lengths, seed=3)
+    assert a == simulate(wl, FAST, COSTS, lengths, seed=3)
+    assert a.steps != simulate(wl, FAST, COSTS, lengths, seed=4).steps
+
+
+def test_policy_epochs_full_batch_runs_the_logprob_pass() -> None:
+    same = MeasuredLengths(lengths=(10,))
+    costs = TrainingCosts(actor_train_per_sample=1.0, actor_forward_per_sample=0.5, policy_epochs=3)
+    stream = simulate(Workload(batch=4, min_groups=2, lookahead=0), FAST, costs, same)
+    full = simulate(Workload(batch=4, min_groups=4, lookahead=0), FAST, costs, same)
+    # streaming: 3 epochs of 4 samples; full batch: the log-prob forward too
+    assert full.step_s - stream.step_s == pytest.approx(0.5 * 4)
+
+
+BAD = [
+    pytest.param(lambda: TrainingCosts(switch_s=-1.0), "switch_s=-1.0", id="negative-switch"),
+    pytest.param(
+        lambda: TrainingCosts(actor_train_per_sample=-0.1), "actor_train_per_sample", id="neg-cost"
+    ),
+    pytest.param(lambda: TrainingCosts(refit_s=math.inf), "refit_s=inf", id="infinite-cost"),
+    pytest.param(lambda: TrainingCosts(critic_epochs=0), "critic_epochs=0", id="no-critic-epoch"),
+    pytest.param(lambda: MeasuredLengths(lengths=()), "lengths=()", id="empty-lengths"),
+    pytest.param(lambda: MeasuredLengths(lengths=(3, -1)), r"lengths\[1\]=-1", id="neg-length"),
+    pytest.param(
+        lambda: LognormalLengths(median=0, sigma=1, max_tokens=10), "median=0", id="zero-median"
+    ),
+    pytest.param(
+        lambda: Workload(batch=128, min_groups=129),
+        "min_groups_for_streaming_train=129 exceeds ppo.num_prompts_per_step=128",
+        id="minimum-above-batch",
+    ),
+    pytest.param(
+        lambda: Workload(batch=128, min_groups=0), "min_groups_for_streaming_train=0", id="zero-min"
+    ),
+    pytest.param(
+        lambda: Workload(batch=10, min_groups=4, alignment=4),
+        "batch=10 is not a multiple",
+        id="align",
+    ),
+    pytest.param(lambda: Workload(batch=8, min_groups=4, sampler="fifo"), "'fifo'", id="sampler"),
+    pytest.param(
+        lambda: GenerationModel(tokens_per_s=0, concurrency=1), "tokens_per_s=0", id="no-speed"
+    ),
+    pytest.param(
+        lambda: GenerationModel(tokens_per_s=1, concurrency=1, batching="x"),
+        "batching='x'",
+        id="batching",
+    ),
+    pytest.param(
+        lambda: simulate(Workload(batch=4, min_groups=2), FAST, COSTS, WAVES_88_32_8, steps=0),
+        "steps=0",
+        id="no-steps",
+    ),
+    pytest.param(
+        lambda: simulate_minimums(
+            Workload(batch=4, min_groups=2), FAST, COSTS, WAVES_88_32_8, minimums=[2, 5]
+        ),
+        "min_groups_for_streaming_train=5",
+        id="swept-minimum-above-batch",
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "match"), BAD)
+def test_bad_inputs_are_refused_naming_the_value(build: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()  # type: ignore[operator]
+
+
+# -- python -m ppo_sampler simulate ------------------------------------------------------
+def test_cli_prints_the_table_of_a_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--preset", "7b-8gpu", "--min-groups", "32,256", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATION" in out and "projection" in out
+    assert "   32 " in out and "  256 " in out
+
+
+def test_cli_options_override_the_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--batch", "16", "--min-groups", "4", "--lengths", "5,5,50", "--json"]
+    assert main([*argv, "--tokens-per-s", "100", "--concurrency", "100", "--steps", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rows"][0]["min_groups"] == 4
+    assert data["workload"]["batch"] == 16
+    assert data["full_batch_step_s"] > 0
+
+
+def test_cli_bad_input_exits_with_the_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--batch", "16", "--min-groups", "17"])
+    assert exc.value.code == 2
+    assert "min_groups_for_streaming_train=17 exceeds" in capsys.readouterr().err
+
+
+def test_cli_without_subcommand_still_prints_the_schedule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([]) == 0
+    assert "chunks: 88 + 40 = 128" in capsys.readouterr().out
+
+
+def test_presets_are_labelled_and_stream_faster() -> None:
+    for name, preset in PRESETS.items():
+        assert "simulation" in preset.description.lower(), name
+        table = simulate_minimums(
+            preset.workload, preset.generation, preset.costs, preset.lengths, steps=3
+        )
+        assert table.recommended_min_groups < preset.workload.batch, name
