@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import ray
 from ppo_placement import (
@@ -18,6 +17,7 @@ from ppo_driver.config import (
     DriverConfig,
 )
 from ppo_driver.rollout import (
+    ActorRef,
     RefitStats,
     WeightRefitter,
     launch_embedded_engines,
@@ -41,7 +41,7 @@ def _launch_engines(
     slots: list[Slot],
     *,
     on_exit: Callable[[str, Callable[[], object]], None],
-) -> list[Any]:
+) -> list[ActorRef]:
     """``rollout.num_engines`` engines of kind ``rollout.engine`` on the rollout bundles
     (round robin; engines sharing a bundle split its share). sglang engines load the
     policy's directory, or write the tiny model of ``model`` on their node. Colocated,
@@ -76,13 +76,20 @@ def _launch_engines(
             released=cfg.cluster.colocate,
         )
     for engine in engines:
-        on_exit("engine", partial(ray.kill, engine))
+        on_exit("engine", partial(_kill, engine))
         if cfg.rollout.engine == "sglang":  # runs first: sglang stops its own processes
             on_exit("sglang engine shutdown", partial(_stop_sglang, engine))
     return engines
 
 
-def _stop_sglang(engine: Any) -> None:
+def _kill(engine: ActorRef) -> None:
+    from ray.actor import ActorHandle
+
+    assert isinstance(engine, ActorHandle), type(engine)  # what ray.kill takes
+    ray.kill(engine)
+
+
+def _stop_sglang(engine: ActorRef) -> None:
     ray.get(engine.shutdown.remote(), timeout=60)
 
 
@@ -91,7 +98,7 @@ class _Generation:
     ``pause`` stops generation and releases the engines' memory, ``resume`` takes it back
     and generation goes on; both idempotent)."""
 
-    def __init__(self, engines: list[Any], refitter: WeightRefitter) -> None:
+    def __init__(self, engines: list[ActorRef], refitter: WeightRefitter) -> None:
         self.engines, self.refitter = engines, refitter
         self.last_refit: RefitStats | None = None
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import ray
 from ppo_lifecycle import CallPlan, Phase, ResidencyPlanner, Role, Transition, Work
@@ -29,6 +29,9 @@ from ppo_trainer import ActorWorker, CriticWorker
 from torch import Tensor
 
 from ppo_driver.trace import TraceRecorder
+
+if TYPE_CHECKING:
+    from ppo_driver.rollout._types import ActorRef
 from ppo_driver.workers import (
     CallOptions,
     GroupResult,
@@ -279,7 +282,7 @@ class TrainPair:
                 raise self.actor.lost(exc) from exc
             raise
 
-    def refit_source(self) -> tuple[object, list[object]]:
+    def refit_source(self) -> tuple[ActorRef, list[ActorRef]]:
         """(the actor's rank 0, its other ranks): the refit's sender and the peers that
         join the weight export's collective."""
         return self.actor.handles[0], list(self.actor.handles[1:])

@@ -272,10 +272,10 @@ class _Host:
         method: str,
         rows: dict[str, Tensor] | None,
         per_sample: dict[str, Tensor],
-        kwargs: dict[str, Any],
+        kwargs: dict[str, object],
         *after: object,
         args: tuple[object, ...] = (),
-    ) -> tuple[Any, Timeline]:
+    ) -> tuple[object, Timeline]:
         """``worker.<method>(rows, *args, **per_sample, **kwargs)``; returns (result,
         timeline).
 

@@ -45,6 +45,7 @@ from ._task import (
 )
 from ._tokenizer import CharTokenizer, HFTokenizer, Tokenizer, encode_prompt, load_tokenizer
 from ._types import (
+    ActorRef,
     EngineHealth,
     EngineRestarted,
     FinishReason,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "REWARD_FORMS",
     "TASK_ALPHABET",
+    "ActorRef",
     "CharTokenizer",
     "ClusterLost",
     "DataError",

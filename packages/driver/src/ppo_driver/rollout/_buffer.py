@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +23,32 @@ from ._types import FinishReason, GroupOutput, SampleOutput
 
 RowState = Literal["ready", "claimed"]
 _FORMAT = 1
+
+
+class SampleMeta(TypedDict):
+    """One sample of a buffered group in ``replay.json`` (its tokens are tensors)."""
+
+    length: int
+    finish_reason: str
+
+
+class RowMeta(TypedDict):
+    """One buffered group in ``replay.json``."""
+
+    group_id: int
+    step: int
+    state: str
+    prompt_length: int
+    weight_version: int
+    engine_id: str
+    samples: list[SampleMeta]
+
+
+class BufferMeta(TypedDict):
+    """``replay.json``: the JSON half of :meth:`ReplayBuffer.state_dict`."""
+
+    format: int
+    rows: list[RowMeta]
 
 
 @dataclass(slots=True)
@@ -100,9 +126,9 @@ class ReplayBuffer:
             del self._rows[gid]
 
     # -- checkpoints ----------------------------------------------------------------
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def state_dict(self) -> tuple[BufferMeta, dict[str, torch.Tensor]]:
         """(JSON-serialisable metadata, flat tensors) describing every row."""
-        meta_rows: list[dict[str, Any]] = []
+        meta_rows: list[RowMeta] = []
         prompt: list[int] = []
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -110,7 +136,7 @@ class ReplayBuffer:
         for gid, row in self._rows.items():
             out = row.group.output
             prompt.extend(out.prompt_ids)
-            samples = []
+            samples: list[SampleMeta] = []
             for s, r in zip(out.samples, row.group.rewards, strict=True):
                 tokens.extend(s.token_ids)
                 logprobs.extend(s.logprobs)
@@ -135,7 +161,7 @@ class ReplayBuffer:
         }
         return {"format": _FORMAT, "rows": meta_rows}, tensors
 
-    def load_state_dict(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, meta: BufferMeta, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the contents with a ``state_dict()`` snapshot; claimed rows become
         ready again (their update never completed from the snapshot's point of view)."""
         if meta.get("format") != _FORMAT:

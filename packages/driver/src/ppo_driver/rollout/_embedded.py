@@ -30,15 +30,16 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, TypeVar
 
 import torch
 from ppo_lifecycle import ALL_PARTS, OffloadManager
 
-from ._model import build_model
+from ._model import ModelSource, build_model
 from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
 from ._sampling import generate_rows, sample_seed
 from ._types import (
+    ActorRef,
     EngineHealth,
     EngineRestarted,
     GroupOutput,
@@ -49,6 +50,12 @@ from ._types import (
     check_vouched_version,
     restarted_by_ray,
 )
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.scheduling_strategies import SchedulingStrategyT
+
+_E = TypeVar("_E")
 
 _log = logging.getLogger(__name__)
 
@@ -97,7 +104,7 @@ class EmbeddedEngine:
     def __init__(
         self,
         *,
-        model: Any,
+        model: ModelSource,
         run_seed: int,
         engine_id: str = "engine",
         device: str = "cpu",
@@ -430,15 +437,26 @@ class EmbeddedEngine:
         os._exit(1)
 
 
+class EngineActorOptions(TypedDict):
+    """Ray actor options of one engine (``ActorClass.options(**opts)``)."""
+
+    num_cpus: float
+    num_gpus: float
+    max_restarts: int
+    max_task_retries: int
+    max_concurrency: int
+    scheduling_strategy: NotRequired[SchedulingStrategyT]
+
+
 def engine_actor_options(
     count: int,
     *,
-    scheduling_strategies: Sequence[Any] | None,
+    scheduling_strategies: Sequence[SchedulingStrategyT] | None,
     num_cpus: float,
     num_gpus: float,
     max_restarts: int,
     max_concurrency: int,
-) -> list[dict[str, Any]]:
+) -> list[EngineActorOptions]:
     """Ray actor options of ``count`` engines (any engine class): engine ``i`` placed by
     ``scheduling_strategies[i]``; Ray restarts a dead engine but never retries a call in
     flight (the rollout manager re-dispatches its groups)."""
@@ -450,7 +468,7 @@ def engine_actor_options(
         )
     out = []
     for i in range(count):
-        opts: dict[str, Any] = {
+        opts: EngineActorOptions = {
             "num_cpus": num_cpus,
             "num_gpus": num_gpus,
             "max_restarts": max_restarts,
@@ -466,9 +484,9 @@ def engine_actor_options(
 def launch_embedded_engines(
     count: int,
     *,
-    model: Any,
+    model: ModelSource,
     run_seed: int,
-    scheduling_strategies: Sequence[Any] | None = None,
+    scheduling_strategies: Sequence[SchedulingStrategyT] | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
     device: str = "cpu",
@@ -478,7 +496,7 @@ def launch_embedded_engines(
     name_prefix: str = "engine",
     step_delay_s: float = 0.0,
     released: bool = False,
-) -> list[Any]:
+) -> list[ActorRef]:
     """Start ``count`` :class:`EmbeddedEngine` Ray actors (``released``: with their
     memory released and generation paused, see :class:`EmbeddedEngine`).
 
@@ -491,7 +509,7 @@ def launch_embedded_engines(
     import ray
 
     cls = ray.remote(EmbeddedEngine)
-    handles = []
+    handles: list[ActorRef] = []
     for i, opts in enumerate(
         engine_actor_options(
             count,
@@ -503,14 +521,26 @@ def launch_embedded_engines(
         )
     ):
         handles.append(
-            cls.options(**opts).remote(
-                model=model,
-                run_seed=run_seed,
-                engine_id=f"{name_prefix}-{i}",
-                device=device,
-                batch_groups=batch_groups,
-                step_delay_s=step_delay_s,
-                released=released,
+            started_actor(
+                cls.options(**opts).remote(
+                    model=model,
+                    run_seed=run_seed,
+                    engine_id=f"{name_prefix}-{i}",
+                    device=device,
+                    batch_groups=batch_groups,
+                    step_delay_s=step_delay_s,
+                    released=released,
+                )
             )
         )
     return handles
+
+
+def started_actor(started: ActorHandle[_E] | type[_E]) -> ActorRef:
+    """The handle ``ActorClass.remote()`` returned: Ray's stubs type it as
+    ``ActorHandle[T] | type[T]`` (its typed-actor proxy); at run time it is always the
+    handle."""
+    from ray.actor import ActorHandle
+
+    assert isinstance(started, ActorHandle), type(started)
+    return started

@@ -12,10 +12,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ._task import PromptDataset, RewardError, RewardFn, score_group
-from ._types import GroupOutput, GroupRequest, SamplingParams
+from ._types import ActorRef, GroupOutput, GroupRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 _log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class Evaluator:
     def __init__(
         self,
         *,
-        engines: Sequence[Any],
+        engines: Sequence[ActorRef],
         dataset: PromptDataset,
         reward_fn: RewardFn,
         max_new_tokens: int,
@@ -105,7 +108,7 @@ class Evaluator:
             for start in range(0, n, self.prompts_per_call)
         ]
         outputs: list[GroupOutput] = []
-        in_flight: dict[Any, int] = {}  # ref -> engine
+        in_flight: dict[ObjectRef[list[GroupOutput]], int] = {}  # ref -> engine
         next_call = 0
         window = 2 * len(self.engines)
         while next_call < len(calls) or in_flight:

@@ -26,16 +26,27 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ppo_driver._watch import address_reachable
 
-from ._buffer import ReplayBuffer, build_batch
+from ._buffer import BufferMeta, ReplayBuffer, build_batch
 from ._task import PromptDataset, RewardError, RewardFailure, RewardFn, ScoredGroup, score_group
-from ._types import EngineRestarted, GroupOutput, GroupRequest, SamplingParams
+from ._types import (
+    ActorRef,
+    EngineHealth,
+    EngineRestarted,
+    GroupOutput,
+    GroupRequest,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from ppo_sampler import Sampler
+    from ray import ObjectRef
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +71,20 @@ def cluster_reachable(timeout_s: float = 5.0) -> bool:
 
 
 _FORMAT = 1
+
+
+class ManagerMeta(TypedDict):
+    """``rollout.json``: the JSON half of :meth:`RolloutManager.state_dict`."""
+
+    format: int
+    next_prompt: int
+    assigned: dict[str, int]
+    """groups not failed per step (step as a string: JSON keys are)"""
+    to_dispatch: list[list[int]]
+    """``[group id, step]`` of each group to generate (again) on load"""
+    failures: list[list[int | str]]
+    """``[group id, step, message]`` of each failed group"""
+    buffer: BufferMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,16 +160,16 @@ class RolloutManager:
     def __init__(
         self,
         *,
-        engines: Sequence[Any],
+        engines: Sequence[ActorRef],
         dataset: PromptDataset,
-        sampler: Any,
+        sampler: Sampler,
         reward_fn: RewardFn,
         params: SamplingParams,
         prompts_per_step: int,
         max_in_flight: int,
         buffer: ReplayBuffer | None = None,
         groups_per_call: int = 1,
-        on_engine_restart: Callable[[int, Any], None] | None = None,
+        on_engine_restart: Callable[[int, ActorRef], None] | None = None,
         reward_timeout_s: float | None = 60.0,
         max_consecutive_group_failures: int | None = 32,
         file_in_dispatch_order: bool = False,
@@ -182,9 +207,9 @@ class RolloutManager:
         self._fill_step = 0
         self._assigned: Counter[int] = Counter()  # step -> groups not failed
         self._pending: deque[tuple[int, int]] = deque()  # lost in flight, to re-dispatch
-        self._in_flight: dict[Any, _Call] = {}
+        self._in_flight: dict[ObjectRef[list[GroupOutput]], _Call] = {}
         self._alive = [True] * len(self.engines)
-        self._probes: dict[int, Any] = {}
+        self._probes: dict[int, ObjectRef[EngineHealth]] = {}
         self._incarnations: list[str | None] = [None] * len(self.engines)
         # records
         self.failures: list[GroupFailure] = []
@@ -275,7 +300,7 @@ class RolloutManager:
                 self.max_step_dispatched = max(self.max_step_dispatched, s)
             self.peak_in_flight = max(self.peak_in_flight, self.groups_in_flight)
 
-    def _collect(self, ref: Any) -> list[int]:
+    def _collect(self, ref: ObjectRef[list[GroupOutput]]) -> list[int]:
         import ray
         from ray.exceptions import RayActorError
 
@@ -432,14 +457,14 @@ class RolloutManager:
         return evicted
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def state_dict(self) -> tuple[ManagerMeta, dict[str, torch.Tensor]]:
         """(JSON metadata, tensors): dispatch position, the groups in flight or waiting
         (re-dispatched on load), failures, and the replay buffer."""
         buf_meta, tensors = self.buffer.state_dict()
         lost = [[g, s] for c in self._in_flight.values() for g, s in c.groups]
         lost += [[g, s] for g, s in self._pending]
         lost += [[g, s] for g, (_, s, _) in self._held.items()]  # generated again on load
-        meta = {
+        meta: ManagerMeta = {
             "format": _FORMAT,
             "next_prompt": self.next_prompt,
             "assigned": {str(k): v for k, v in self._assigned.items()},
@@ -449,7 +474,7 @@ class RolloutManager:
         }
         return meta, tensors
 
-    def load_state_dict(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, meta: ManagerMeta, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a snapshot; must be called before any dispatch."""
         if self._in_flight:
             raise ValueError("RolloutManager.load_state_dict: groups are in flight; load first")

@@ -5,13 +5,21 @@ config plus a seed), a ``transformers`` config, or a local HF directory path."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from ppo_trainer import ModelSpec, build_causal_lm
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def build_model(source: Any, *, seed: int | None = None, device: str = "cpu") -> Any:
+ModelSource: TypeAlias = "ModelSpec | PretrainedConfig | str | Path"
+"""What :func:`build_model` builds a causal LM from."""
+
+
+def build_model(
+    source: ModelSource, *, seed: int | None = None, device: str = "cpu"
+) -> torch.nn.Module:
     """A causal LM in eval mode on ``device``.
 
     ``source`` may be: a ``ppo_trainer.ModelSpec`` (built by the trainer's own
@@ -24,7 +32,7 @@ def build_model(source: Any, *, seed: int | None = None, device: str = "cpu") ->
 
     auto: Any = transformers.AutoModelForCausalLM
 
-    model: Any
+    model: torch.nn.Module
     if isinstance(source, str | Path):
         if not Path(source).is_dir():
             raise ValueError(f"model path {str(source)!r} is not a directory")
@@ -44,7 +52,9 @@ def build_model(source: Any, *, seed: int | None = None, device: str = "cpu") ->
     return model.to(device=device).eval()
 
 
-def tiny_qwen2_config(*, vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2) -> Any:
+def tiny_qwen2_config(
+    *, vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2
+) -> PretrainedConfig:
     """A tiny Qwen2 config for tests and benchmarks."""
     from transformers import Qwen2Config
 

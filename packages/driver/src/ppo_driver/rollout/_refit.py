@@ -25,12 +25,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from ppo_trainer import host_bound_tcp_store
 from safetensors.torch import load_file, save_file
+from torch._C._distributed_c10d import Store
+
+from ._types import ActorRef
 
 _log = logging.getLogger(__name__)
 _c10d: Any = dist  # the c10d classes used here are not in torch.distributed's stubs
@@ -109,15 +112,19 @@ class RefitGroup:
                 _log.warning("refit group: NCCL abort failed too", exc_info=True)
 
 
-def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
+def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Store, int]:
     """The master TCP store (rank 0) on a free port of ``host``, listening there only
     (``ppo_trainer.host_bound_tcp_store``); returns (store, port)."""
-    return host_bound_tcp_store(host, 0, world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    store, port = host_bound_tcp_store(
+        host, 0, world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    assert isinstance(store, Store), type(store)  # a torch TCPStore
+    return store, port
 
 
 def connect_group(
     *,
-    store: Any | None,
+    store: Store | None,
     master_addr: str,
     master_port: int,
     rank: int,
@@ -234,14 +241,31 @@ def receive_state_dict(*, group: RefitGroup) -> tuple[int, dict[str, torch.Tenso
 
 # -- the sender side, run in the actor's process via ``actor.__ray_call__`` --------------
 
-_SENDERS: dict[str, tuple[Any, RefitGroup | None]] = {}
+
+class WeightSource(Protocol):
+    """The actor process's worker as the senders see it (``ppo_driver.workers``' host):
+    ``export_weights()`` is a collective over the group; the source rank returns the
+    weights (HF names, CPU tensors), the others ``None``."""
+
+    def export_weights(self) -> dict[str, torch.Tensor] | None: ...
+
+
+def _exported(worker: WeightSource) -> dict[str, torch.Tensor]:
+    """``worker.export_weights()`` on the source rank (rank 0 of the actor group)."""
+    weights = worker.export_weights()
+    if weights is None:
+        raise RuntimeError("refit: export_weights() returned nothing on the sending rank")
+    return weights
+
+
+_SENDERS: dict[str, tuple[Store, RefitGroup | None]] = {}
 # The last broadcast per refitter (its base group name): (version, CPU tensors), kept in
 # the actor's host memory to bring a restarted engine back (WeightRefitter.restore_engine).
 _LAST_SENT: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
 
 
 def sender_open(
-    _worker: Any, *, group_name: str, host: str, world_size: int, timeout_s: float
+    _worker: object, *, group_name: str, host: str, world_size: int, timeout_s: float
 ) -> int:
     """Open the master store for ``group_name`` in this process; returns its port."""
     if group_name in _SENDERS:
@@ -253,7 +277,7 @@ def sender_open(
 
 
 def sender_connect(
-    _worker: Any, *, group_name: str, host: str, world_size: int, backend: str, timeout_s: float
+    _worker: object, *, group_name: str, host: str, world_size: int, backend: str, timeout_s: float
 ) -> None:
     """Join ``group_name`` as rank 0 (blocks until every engine joined)."""
     store, _ = _SENDERS[group_name]
@@ -277,14 +301,19 @@ def _connected(group_name: str) -> RefitGroup:
 
 
 def sender_broadcast(
-    worker: Any, *, group_name: str, version: int, bucket_bytes: int, keep_as: str | None = None
+    worker: WeightSource,
+    *,
+    group_name: str,
+    version: int,
+    bucket_bytes: int,
+    keep_as: str | None = None,
 ) -> dict[str, float]:
     """Broadcast ``worker.export_weights()`` as ``version`` over ``group_name``.
     ``keep_as``: keep the exported tensors under this key (see :func:`sender_resend`)."""
     group = _connected(group_name)
     if keep_as is not None:
         _LAST_SENT.pop(keep_as, None)  # never two exports in host memory at once
-    weights = worker.export_weights()
+    weights = _exported(worker)
     stats = broadcast_state_dict(weights, group=group, version=version, bucket_bytes=bucket_bytes)
     if keep_as is not None:
         _LAST_SENT[keep_as] = (int(version), weights)
@@ -292,7 +321,7 @@ def sender_broadcast(
 
 
 def sender_resend(
-    _worker: Any, *, group_name: str, kept_as: str, version: int, bucket_bytes: int
+    _worker: object, *, group_name: str, kept_as: str, version: int, bucket_bytes: int
 ) -> dict[str, float]:
     """Broadcast the tensors kept by :func:`sender_broadcast` (they must be ``version``)."""
     kept = _LAST_SENT.get(kept_as)
@@ -306,23 +335,23 @@ def sender_resend(
     )
 
 
-def sender_close(_worker: Any, *, group_name: str) -> None:
+def sender_close(_worker: object, *, group_name: str) -> None:
     """Close ``group_name`` (:meth:`RefitGroup.close`; its store's socket closes)."""
     old = _SENDERS.pop(group_name, None)
     if old is not None and old[1] is not None:
         old[1].close()
 
 
-def peer_export(worker: Any) -> None:
+def peer_export(worker: WeightSource) -> None:
     """A non-source rank's part of the export collective (Megatron gathers the HF
     weights over its tensor/pipeline ranks): every rank of the actor group exports,
     only rank 0 sends."""
     worker.export_weights()
 
 
-def sender_save(worker: Any, *, path: str, version: int) -> str:
+def sender_save(worker: WeightSource, *, path: str, version: int) -> str:
     """Write ``worker.export_weights()`` to a safetensors directory."""
-    return save_weights_to_disk(worker.export_weights(), path, version=version)
+    return save_weights_to_disk(_exported(worker), path, version=version)
 
 
 # -- disk fallback ------------------------------------------------------------------------
@@ -386,9 +415,9 @@ class WeightRefitter:
     def __init__(
         self,
         *,
-        actor: Any,
-        engines: Sequence[Any],
-        peers: Sequence[Any] = (),
+        actor: ActorRef,
+        engines: Sequence[ActorRef],
+        peers: Sequence[ActorRef] = (),
         backend: str = "gloo",
         master_addr: str = "127.0.0.1",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -420,7 +449,7 @@ class WeightRefitter:
     def _name(self) -> str:
         return f"{self.group_name}.{self._generation}"
 
-    def _connect(self, name: str, engines: Sequence[Any]) -> None:
+    def _connect(self, name: str, engines: Sequence[ActorRef]) -> None:
         """A group named ``name``: the actor rank 0, ``engines[i]`` rank ``i + 1``."""
         import ray
 
@@ -443,7 +472,7 @@ class WeightRefitter:
         )
         ray.get([sender, *joins])
 
-    def _close(self, name: str, engines: Sequence[Any]) -> None:
+    def _close(self, name: str, engines: Sequence[ActorRef]) -> None:
         import ray
 
         ray.get(
@@ -549,7 +578,7 @@ class WeightRefitter:
             transport="disk",
         )
 
-    def restore_engine(self, index: int, engine: Any) -> None:
+    def restore_engine(self, index: int, engine: ActorRef) -> None:
         """Bring a restarted engine to the last refit's version (before any refit: its
         initial weights are current, and it is told so). Only this engine takes part;
         the refit group itself is re-created at the next :meth:`refit`."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -74,9 +74,15 @@ def draw_tokens(
     return [t for t, _ in drawn], [lp for _, lp in drawn]
 
 
+class _KVCache(Protocol):
+    """The part of a Hugging Face KV cache (``past_key_values``) used here."""
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None: ...
+
+
 @torch.inference_mode()
 def generate_rows(
-    model: Any,
+    model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     *,
     params: Sequence[SamplingParams],
@@ -96,26 +102,16 @@ def generate_rows(
     shared its batch. ``on_finish(row, sample)`` is called as each row finishes (while
     the others go on decoding).
     """
-    rows = len(prompts)
-    if not (len(params) == len(seeds) == rows) or rows == 0:
-        raise ValueError(f"generate_rows: {rows} prompts, {len(params)} params, {len(seeds)} seeds")
-    length = len(prompts[0])
-    if any(len(p) != length for p in prompts):
-        raise ValueError("generate_rows: prompts must have equal lengths (no padding)")
+    rows = _check_rows(prompts, params=params, seeds=seeds)
     gens = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds]
-    stops = [set(p.stop_token_ids) for p in params]
     # slots[k]: the row decoded in batch position k, or -1 for a ballast row that keeps
     # the batch at >= _MIN_BATCH_ROWS (CPU GEMM kernels round differently below that)
     slots = list(range(rows)) + [-1] * max(0, _MIN_BATCH_ROWS - rows)
     ids = torch.tensor(
         [list(prompts[r if r >= 0 else 0]) for r in slots], dtype=torch.long, device=device
     )
-    out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
-    logits = out.logits[:, -1, :].to("cpu")
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    logprobs: list[list[float]] = [[] for _ in range(rows)]
-    reasons: list[FinishReason | None] = [None] * rows
+    past, logits = _forward(model, ids, None)
+    decoded = _Decoded(params, rows)
     while True:
         live = [k for k, r in enumerate(slots) if r >= 0]
         drawn, lps = draw_tokens(
@@ -125,18 +121,9 @@ def generate_rows(
         )
         feed = [0] * len(slots)
         for k, tok, lp in zip(live, drawn, lps, strict=True):
-            r = slots[k]
-            tokens[r].append(tok)
-            logprobs[r].append(lp)
             feed[k] = tok
-            if tok in stops[r]:
-                reasons[r] = "stop"
-            elif len(tokens[r]) >= params[r].max_new_tokens:
-                reasons[r] = "length"
-            if reasons[r] is not None:
+            if decoded.add(slots[k], tok, lp, on_finish=on_finish):
                 slots[k] = -1
-                if on_finish is not None:
-                    on_finish(r, _sample(tokens[r], logprobs[r], reasons[r]))
         keep = [k for k, r in enumerate(slots) if r >= 0]
         if not keep:
             break
@@ -148,14 +135,71 @@ def generate_rows(
             past.batch_select_indices(torch.tensor(keep, dtype=torch.long, device=device))
             slots = [slots[k] for k in keep]
             feed = [feed[k] for k in keep]
-        out = model(
-            input_ids=torch.tensor([[t] for t in feed], dtype=torch.long, device=device),
-            past_key_values=past,
-            use_cache=True,
-        )
-        past = out.past_key_values
-        logits = out.logits[:, -1, :].to("cpu")
-    return [_sample(tokens[r], logprobs[r], reasons[r]) for r in range(rows)]
+        step_ids = torch.tensor([[t] for t in feed], dtype=torch.long, device=device)
+        past, logits = _forward(model, step_ids, past)
+    return [decoded.sample(r) for r in range(rows)]
+
+
+def _check_rows(
+    prompts: Sequence[Sequence[int]], *, params: Sequence[SamplingParams], seeds: Sequence[int]
+) -> int:
+    """The number of rows; ``ValueError`` unless every row has params, a seed, and a
+    prompt as long as the others."""
+    rows = len(prompts)
+    if not (len(params) == len(seeds) == rows) or rows == 0:
+        raise ValueError(f"generate_rows: {rows} prompts, {len(params)} params, {len(seeds)} seeds")
+    length = len(prompts[0])
+    if any(len(p) != length for p in prompts):
+        raise ValueError("generate_rows: prompts must have equal lengths (no padding)")
+    return rows
+
+
+def _forward(
+    model: torch.nn.Module, input_ids: torch.Tensor, past: _KVCache | None
+) -> tuple[_KVCache, torch.Tensor]:
+    """One forward pass with the KV cache (none: the prompts); returns the cache and the
+    last position's logits on the CPU, ``[B, V]``."""
+    if past is None:
+        out = model(input_ids=input_ids, use_cache=True)
+    else:
+        out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+    return out.past_key_values, out.logits[:, -1, :].to("cpu")
+
+
+class _Decoded:
+    """The tokens, log-probabilities and finish reason of each row so far."""
+
+    def __init__(self, params: Sequence[SamplingParams], rows: int) -> None:
+        self.params = params
+        self.stops = [set(p.stop_token_ids) for p in params]
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.reasons: list[FinishReason | None] = [None] * rows
+
+    def add(
+        self,
+        r: int,
+        tok: int,
+        lp: float,
+        *,
+        on_finish: Callable[[int, SampleOutput], None] | None,
+    ) -> bool:
+        """Append row ``r``'s next token; True when that finished the row (a stop token,
+        or ``max_new_tokens``), after ``on_finish(r, sample)``."""
+        self.tokens[r].append(tok)
+        self.logprobs[r].append(lp)
+        if tok in self.stops[r]:
+            self.reasons[r] = "stop"
+        elif len(self.tokens[r]) >= self.params[r].max_new_tokens:
+            self.reasons[r] = "length"
+        if self.reasons[r] is None:
+            return False
+        if on_finish is not None:
+            on_finish(r, self.sample(r))
+        return True
+
+    def sample(self, r: int) -> SampleOutput:
+        return _sample(self.tokens[r], self.logprobs[r], self.reasons[r])
 
 
 def _sample(tokens: list[int], logprobs: list[float], reason: FinishReason | None) -> SampleOutput:
@@ -165,7 +209,7 @@ def _sample(tokens: list[int], logprobs: list[float], reason: FinishReason | Non
 
 
 def generate_group(
-    model: Any,
+    model: torch.nn.Module,
     prompt_ids: Sequence[int],
     *,
     params: SamplingParams,

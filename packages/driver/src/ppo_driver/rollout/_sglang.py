@@ -29,17 +29,19 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+import types
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, NotRequired, TypedDict, TypeVar
 
 import torch
 
-from ._embedded import engine_actor_options
+from ._embedded import engine_actor_options, started_actor
 from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
 from ._sampling import sample_seed
 from ._types import (
+    ActorRef,
     EngineHealth,
     EngineRestarted,
     FinishReason,
@@ -50,6 +52,10 @@ from ._types import (
     check_vouched_version,
     restarted_by_ray,
 )
+
+if TYPE_CHECKING:
+    from ppo_trainer import ModelSpec
+    from ray.util.scheduling_strategies import SchedulingStrategyT
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -67,7 +73,7 @@ class SglangWeightUpdateError(RuntimeError):
     refused update may have loaded some tensors and not others."""
 
 
-def _check_sglang_result(result: Any, *, call: str, engine_id: str, version: int) -> None:
+def _check_sglang_result(result: object, *, call: str, engine_id: str, version: int) -> None:
     """Raise :class:`SglangWeightUpdateError` if ``result`` (sglang's ``(success,
     message)``, or ``(success, message, num_paused_requests)`` for
     ``update_weights_from_disk``) reports a failure; ``None`` (an sglang that reports
@@ -87,7 +93,7 @@ def _check_sglang_result(result: Any, *, call: str, engine_id: str, version: int
         )
 
 
-def _import_sglang() -> Any:
+def _import_sglang() -> types.ModuleType:
     try:
         import sglang
     except ImportError as exc:  # pragma: no cover - depends on the extra
@@ -95,14 +101,48 @@ def _import_sglang() -> Any:
             "SglangEngine needs sglang: install the extra with `uv sync --extra sglang` "
             "(or `pip install 'ppo-driver[sglang]'`) on a CUDA machine"
         ) from exc
-    return sglang
+    module: types.ModuleType = sglang  # untyped here: not installed without the extra
+    return module
 
 
 class SglangGenerationError(RuntimeError):
     """sglang ended a request without finishing it (an abort, or NaN logits)."""
 
 
-def parse_sglang_output(out: Mapping[str, Any]) -> SampleOutput:
+class SglangFinishReason(TypedDict, total=False):
+    """sglang's ``meta_info.finish_reason`` object: ``type`` is ``stop``, ``length`` or
+    ``abort``; ``matched`` the stop token id (or the matched stop string)."""
+
+    type: str
+    matched: int | str | None
+
+
+class SglangMetaInfo(TypedDict, total=False):
+    """The part of sglang's ``meta_info`` read here: ``(logprob, token_id, text)`` per
+    generated token, and how the request finished."""
+
+    output_token_logprobs: Sequence[tuple[float, int, str | None]]
+    finish_reason: SglangFinishReason | str | None
+
+
+class SglangOutput(TypedDict):
+    """One result of sglang's ``Engine.generate`` (token ids in and out)."""
+
+    meta_info: SglangMetaInfo
+    output_ids: NotRequired[list[int]]
+
+
+class SglangSampling(TypedDict):
+    """The sglang ``sampling_params`` of one sample."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    sampling_seed: int
+
+
+def parse_sglang_output(out: SglangOutput) -> SampleOutput:
     """One sglang ``generate`` result (with ``return_logprob=True``) as a
     :class:`SampleOutput`. Pure; ``meta_info.output_token_logprobs`` holds
     ``(logprob, token_id, text)`` per generated token.
@@ -139,7 +179,7 @@ def parse_sglang_output(out: Mapping[str, Any]) -> SampleOutput:
     return SampleOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=reason)
 
 
-def materialize_model(model: Any, directory: str | None = None) -> str:
+def materialize_model(model: ModelSpec | str, directory: str | None = None) -> str:
     """A Hugging Face directory sglang can load for ``model``: its ``path`` when it has
     one, else the tiny model of the spec written (``ppo_trainer.save_hf_checkpoint``)
     into ``directory`` (default: a new temporary directory on this node). The same spec
@@ -211,17 +251,17 @@ class SglangEngine:
         self,
         *,
         model_path: str | None = None,
-        model: Any = None,
+        model: ModelSpec | None = None,
         run_seed: int,
         engine_id: str = "sglang",
         weight_version: int = 0,
         released: bool = False,
-        **engine_kwargs: Any,
+        **engine_kwargs: object,
     ) -> None:
         sgl = _import_sglang()
         if (model_path is None) == (model is None):
             raise ValueError("SglangEngine: give exactly one of model_path and model")
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "enable_memory_saver": True,
             "random_seed": int(run_seed),
             "log_level": "error",
@@ -233,7 +273,7 @@ class SglangEngine:
         kwargs.update(engine_kwargs)
         kwargs.setdefault("enable_weights_cpu_backup", bool(kwargs["enable_memory_saver"]))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
-        path = model_path if model_path is not None else materialize_model(model)
+        path = model_path if model is None else materialize_model(model)
         self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
         self._closed = False
         self.engine_id = engine_id
@@ -266,12 +306,7 @@ class SglangEngine:
                 f"weights (version {self.weight_version}); it generates again once the "
                 "driver pushed the current weights (WeightRefitter.restore_engine)"
             )
-        while True:
-            self._unpaused.wait()
-            with self._running:
-                if self._unpaused.is_set():
-                    self._busy += 1
-                    break
+        self._enter_generation()
         try:
             with self._lock:
                 if self._released:
@@ -283,28 +318,8 @@ class SglangEngine:
                         f"engine {self.engine_id}: generate() refused: {self._broken_weights}"
                     )
                 version = self.weight_version
-                input_ids: list[list[int]] = []
-                sampling: list[dict[str, Any]] = []
-                for req in requests:
-                    p = req.params
-                    for j in range(p.n):
-                        input_ids.append(list(req.prompt_ids))
-                        sampling.append(
-                            {
-                                "temperature": p.temperature,
-                                "top_p": p.top_p,
-                                "max_new_tokens": p.max_new_tokens,
-                                "stop_token_ids": list(p.stop_token_ids),
-                                "sampling_seed": sample_seed(
-                                    run_seed=self.run_seed,
-                                    prompt_index=req.prompt_index,
-                                    sample_index=j,
-                                    weight_version=version,
-                                )
-                                % (2**31),
-                            }
-                        )
-                raw = self._call(
+                input_ids, sampling = self._batch(requests, version=version)
+                raw: list[SglangOutput] = self._call(
                     self.engine.generate,
                     input_ids=input_ids,
                     sampling_params=sampling,
@@ -315,6 +330,50 @@ class SglangEngine:
             with self._running:
                 self._busy -= 1
                 self._running.notify_all()
+        return self._group_outputs(requests, raw, version=version)
+
+    def _enter_generation(self) -> None:
+        """Wait until generation is not paused, then count this call as running."""
+        while True:
+            self._unpaused.wait()
+            with self._running:
+                if self._unpaused.is_set():
+                    self._busy += 1
+                    return
+
+    def _batch(
+        self, requests: Sequence[GroupRequest], *, version: int
+    ) -> tuple[list[list[int]], list[SglangSampling]]:
+        """sglang's ``input_ids`` and ``sampling_params``: one entry per sample, each
+        seeded by (run seed, prompt index, sample index, weight version)."""
+        input_ids: list[list[int]] = []
+        sampling: list[SglangSampling] = []
+        for req in requests:
+            p = req.params
+            for j in range(p.n):
+                input_ids.append(list(req.prompt_ids))
+                sampling.append(
+                    {
+                        "temperature": p.temperature,
+                        "top_p": p.top_p,
+                        "max_new_tokens": p.max_new_tokens,
+                        "stop_token_ids": list(p.stop_token_ids),
+                        "sampling_seed": sample_seed(
+                            run_seed=self.run_seed,
+                            prompt_index=req.prompt_index,
+                            sample_index=j,
+                            weight_version=version,
+                        )
+                        % (2**31),
+                    }
+                )
+        return input_ids, sampling
+
+    def _group_outputs(
+        self, requests: Sequence[GroupRequest], raw: Sequence[SglangOutput], *, version: int
+    ) -> list[GroupOutput]:
+        """sglang's flat results (``params.n`` per request, in order) as one
+        :class:`GroupOutput` per request."""
         outputs: list[GroupOutput] = []
         k = 0
         for req in requests:
@@ -400,7 +459,7 @@ class SglangEngine:
             needs_weights=self._needs_weights,
         )
 
-    def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    def _call(self, fn: Callable[..., _T], *args: object, **kwargs: object) -> _T:
         """``fn(*args, **kwargs)`` on the engine's own thread (see the module docstring)."""
         return self._thread.submit(fn, *args, **kwargs).result()
 
@@ -417,7 +476,7 @@ class SglangEngine:
         )
 
     def _update_weights(
-        self, version: int, call: str, update: Callable[[], Any], *, session: bool = True
+        self, version: int, call: str, update: Callable[[], object], *, session: bool = True
     ) -> int:
         """Run ``update`` (an sglang weight update) on the sglang thread, inside a
         weight-update session when ``session`` (``begin_weight_update`` ...
@@ -508,10 +567,10 @@ class SglangEngine:
         return self._apply(version, tensors)
 
     # sglang-native transports, for drivers that speak sglang's own protocol
-    def init_weights_update_group(self, **kwargs: Any) -> Any:
+    def init_weights_update_group(self, **kwargs: object) -> object:
         return self._call(self.engine.init_weights_update_group, **kwargs)
 
-    def update_weights_from_distributed(self, *, version: int, **kwargs: Any) -> int:
+    def update_weights_from_distributed(self, *, version: int, **kwargs: object) -> int:
         """sglang's ``update_weights_from_distributed`` (``kwargs``: its ``names``,
         ``dtypes``, ``shapes``, ``group_name``, ...), in a weight-update session."""
         return self._update_weights(
@@ -544,17 +603,17 @@ class SglangEngine:
 def launch_sglang_engines(
     count: int,
     *,
-    model: Any,
+    model: ModelSpec | str,
     run_seed: int,
-    scheduling_strategies: Sequence[Any] | None = None,
+    scheduling_strategies: Sequence[SchedulingStrategyT] | None = None,
     num_cpus: float = 1,
     num_gpus: float = 1,
     max_restarts: int = -1,
     max_concurrency: int = 64,
     name_prefix: str = "sglang",
-    engine_kwargs: Mapping[str, Any] | None = None,
+    engine_kwargs: Mapping[str, object] | None = None,
     released: bool = False,
-) -> list[Any]:
+) -> list[ActorRef]:
     """Start ``count`` :class:`SglangEngine` Ray actors, like
     :func:`launch_embedded_engines`: ``scheduling_strategies[i]`` (a rollout bundle's)
     places engine ``i``; Ray restarts a dead engine (``max_restarts``, ``-1``: always)
@@ -567,7 +626,7 @@ def launch_sglang_engines(
     import ray
 
     cls = ray.remote(SglangEngine)
-    handles = []
+    handles: list[ActorRef] = []
     for i, opts in enumerate(
         engine_actor_options(
             count,
@@ -580,12 +639,14 @@ def launch_sglang_engines(
     ):
         source = {"model_path": model} if isinstance(model, str) else {"model": model}
         handles.append(
-            cls.options(**opts).remote(
-                **source,
-                run_seed=run_seed,
-                engine_id=f"{name_prefix}-{i}",
-                released=released,
-                **dict(engine_kwargs or {}),
+            started_actor(
+                cls.options(**opts).remote(
+                    **source,
+                    run_seed=run_seed,
+                    engine_id=f"{name_prefix}-{i}",
+                    released=released,
+                    **dict(engine_kwargs or {}),
+                )
             )
         )
     return handles

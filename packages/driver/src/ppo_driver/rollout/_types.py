@@ -6,11 +6,24 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, runtime_checkable
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 FinishReason = Literal["stop", "length"]
 """``stop``: a stop token was produced (and is the last response token);
 ``length``: ``max_new_tokens`` was reached."""
+
+
+class SamplingParamsDict(TypedDict):
+    """:class:`SamplingParams` as JSON (``to_dict`` / ``from_dict``)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop_token_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +54,7 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens}: use at least 1")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SamplingParamsDict:
         return {
             "n": self.n,
             "temperature": self.temperature,
@@ -51,7 +64,7 @@ class SamplingParams:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+    def from_dict(cls, data: SamplingParamsDict) -> SamplingParams:
         return cls(
             n=int(data["n"]),
             temperature=float(data["temperature"]),
@@ -212,6 +225,24 @@ class RolloutEngine(Protocol):
     def health(self) -> EngineHealth:
         """Liveness, weight version and lifecycle state."""
         ...
+
+
+class RemoteMethod(Protocol):
+    """A method of a Ray actor handle: ``.remote(...)`` submits the call."""
+
+    # A Ray call's result is whatever the actor's method returns: the handle does not
+    # know it, so the ref's payload is Any (``ray.get`` of it is checked where used).
+    def remote(self, *args: object, **kwargs: object) -> ObjectRef[Any]: ...
+
+
+class ActorRef(Protocol):
+    """A Ray actor handle as the driver calls it: ``handle.method.remote(...)``.
+
+    ``ray.actor.ActorHandle`` types every method attribute as ``Never`` (Ray's typed
+    actors need ``@ray.method`` on each method), which would leave all code after the
+    first call unchecked; every ``ActorHandle`` satisfies this protocol."""
+
+    def __getattr__(self, name: str) -> RemoteMethod: ...
 
 
 def check_requests(requests: Sequence[GroupRequest]) -> None:
