@@ -33,13 +33,14 @@ import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from ppo_driver._json import JSONObject, JSONValue
 
 from ._tokenizer import Tokenizer, encode_prompt
 from ._types import GroupOutput
 
 RewardFn = Callable[..., float | Awaitable[float]]
-"""``reward_fn(*, response: str, record: Mapping[str, Any], finish_reason: str)``, sync
+"""``reward_fn(*, response: str, record: Mapping[str, JSONValue], finish_reason: str)``, sync
 or async, returning a real number: an int or a float (not a bool), finite; any
 ``numbers.Real`` (``numpy.float32``, ``numpy.int64``, ``fractions.Fraction``) counts and is
 converted with ``float()``. Each call gets its own deep copy of the record: an edit stays
@@ -51,10 +52,13 @@ TASK_ALPHABET = TASK_LETTERS + "0123456789:"
 alphabet)."""
 
 
-def repeat_reward(*, response: str, record: Mapping[str, Any], finish_reason: str) -> float:
+def repeat_reward(*, response: str, record: Mapping[str, JSONValue], finish_reason: str) -> float:
     """The built-in task's reward in [0, 1] (see the module docstring)."""
     char = str(record["char"])
-    count = int(record["count"])
+    raw_count = record["count"]
+    if not isinstance(raw_count, int | float | str):  # what int() takes of a JSON value
+        raise TypeError(f"record['count'] must be a number, not {type(raw_count).__name__}")
+    count = int(raw_count)
     length = len(response)
     match = sum(1 for ch in response[:count] if ch == char) / count
     stopped = finish_reason == "stop"
@@ -63,7 +67,7 @@ def repeat_reward(*, response: str, record: Mapping[str, Any], finish_reason: st
     return 0.5 * match + 0.3 * length_score + 0.2 * exact
 
 
-def synthetic_records(*, num_prompts: int, seed: int, max_count: int = 12) -> list[dict[str, Any]]:
+def synthetic_records(*, num_prompts: int, seed: int, max_count: int = 12) -> list[JSONObject]:
     """``num_prompts`` records ``{"prompt", "char", "count"}`` of the repeat task, counts
     uniform in [1, max_count], reproducible from ``seed``."""
     if num_prompts < 1:
@@ -71,7 +75,7 @@ def synthetic_records(*, num_prompts: int, seed: int, max_count: int = 12) -> li
     if not 1 <= max_count <= 99:
         raise ValueError(f"max_count={max_count}: use a value in [1, 99]")
     rng = random.Random(seed)
-    out: list[dict[str, Any]] = []
+    out: list[JSONObject] = []
     for _ in range(num_prompts):
         char = rng.choice(TASK_LETTERS)
         count = rng.randint(1, max_count)
@@ -92,7 +96,7 @@ MAX_REPORTED_LINES = 5
 """The most bad lines one :class:`DataError` lists (then how many more there are)."""
 
 
-def _prompt_problem(value: Any, prompt_key: str, *, messages: bool) -> str | None:
+def _prompt_problem(value: object, prompt_key: str, *, messages: bool) -> str | None:
     """What is wrong with a record's prompt value (None: nothing)."""
     if isinstance(value, str):
         return None if value else f"{prompt_key!r} is an empty string"
@@ -118,7 +122,7 @@ def _prompt_problem(value: Any, prompt_key: str, *, messages: bool) -> str | Non
 
 def read_jsonl(
     path: str | Path, *, prompt_key: str = "prompt", messages: bool = False
-) -> tuple[list[dict[str, Any]], list[int]]:
+) -> tuple[list[JSONObject], list[int]]:
     """The records of a JSONL file and the line number of each.
 
     One JSON object per line, each with ``prompt_key``: a non-empty string, or (with
@@ -142,7 +146,7 @@ def read_jsonl(
         raise DataError(
             f"{src} cannot be read ({exc.strerror or exc})", "fix its permissions"
         ) from None
-    records: list[dict[str, Any]] = []
+    records: list[JSONObject] = []
     lines: list[int] = []
     bad: list[str] = []
     for lineno, line_bytes in enumerate(raw.splitlines(), start=1):
@@ -186,7 +190,7 @@ def _bad_lines(bad: Sequence[str]) -> str:
 
 def load_jsonl(
     path: str | Path, *, prompt_key: str = "prompt", messages: bool = False
-) -> list[dict[str, Any]]:
+) -> list[JSONObject]:
     """The records of a JSONL file (see :func:`read_jsonl`)."""
     return read_jsonl(path, prompt_key=prompt_key, messages=messages)[0]
 
@@ -201,7 +205,7 @@ class PromptDataset:
 
     def __init__(
         self,
-        records: Sequence[Mapping[str, Any]],
+        records: Sequence[Mapping[str, JSONValue]],
         tokenizer: Tokenizer,
         *,
         prompt_key: str = "prompt",
@@ -263,7 +267,7 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.records)
 
-    def record(self, prompt_index: int) -> dict[str, Any]:
+    def record(self, prompt_index: int) -> JSONObject:
         return self.records[prompt_index % len(self.records)]
 
     def prompt_ids(self, prompt_index: int) -> tuple[int, ...]:
@@ -350,7 +354,7 @@ class ScoredGroup:
         return self.output.weight_version
 
 
-def reward_name(fn: Callable[..., Any]) -> str:
+def reward_name(fn: Callable[..., object]) -> str:
     """``module:qualname`` of a reward function, for messages."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     module = getattr(target, "__module__", None)
@@ -358,7 +362,7 @@ def reward_name(fn: Callable[..., Any]) -> str:
     return f"{module}:{qualname}" if module and qualname else repr(fn)
 
 
-def _checked(value: Any, *, name: str, prompt: int, sample: int) -> float:
+def _checked(value: object, *, name: str, prompt: int, sample: int) -> float:
     """``value`` as a float, or :class:`RewardError` unless it is a real finite number."""
     # numbers.Real: int, float and what registers as real (numpy's integer and float
     # scalars, Fraction); not bool (nor numpy.bool_, which is not registered), not a
@@ -386,10 +390,10 @@ class _Overran(Exception):
 class _Job:
     __slots__ = ("call", "done", "error", "value")
 
-    def __init__(self, call: Callable[[], Any]) -> None:
+    def __init__(self, call: Callable[[], object]) -> None:
         self.call = call
         self.done = threading.Event()
-        self.value: Any = None
+        self.value: object = None
         self.error: BaseException | None = None
 
 
@@ -411,7 +415,7 @@ class _RewardThread:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
 
-    def call(self, fn: Callable[[], Any], *, timeout_s: float) -> Any:
+    def call(self, fn: Callable[[], object], *, timeout_s: float) -> object:
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self._jobs,), name="reward", daemon=True).start()
@@ -437,11 +441,11 @@ def _reward_thread() -> _RewardThread:
 
 
 async def _await_all(
-    pending: Mapping[int, Awaitable[Any]], timeout_s: float | None
-) -> dict[int, asyncio.Future[Any]]:
+    pending: Mapping[int, Awaitable[object]], timeout_s: float | None
+) -> dict[int, asyncio.Future[object]]:
     """Run the awaitables together for at most ``timeout_s``; those not done by then
     are cancelled (check ``cancelled()``)."""
-    tasks: dict[int, asyncio.Future[Any]] = {
+    tasks: dict[int, asyncio.Future[object]] = {
         j: asyncio.ensure_future(aw) for j, aw in pending.items()
     }
     _, late = await asyncio.wait(tasks.values(), timeout=timeout_s)
@@ -453,7 +457,7 @@ async def _await_all(
 def score_group(
     output: GroupOutput,
     *,
-    record: Mapping[str, Any],
+    record: Mapping[str, JSONValue],
     reward_fn: RewardFn,
     tokenizer: Tokenizer,
     timeout_s: float | None = None,
@@ -477,7 +481,7 @@ def score_group(
     prompt = output.prompt_index
     limit = timeout_s or None
     rewards: list[float] = []
-    pending: dict[int, Awaitable[Any]] = {}
+    pending: dict[int, Awaitable[object]] = {}
     try:
         for j, sample in enumerate(output.samples):
             ids = list(sample.token_ids)
@@ -527,7 +531,7 @@ def _call_reward(
 
 
 def _awaited_reward(
-    task: asyncio.Future[Any], *, limit: float | None, name: str, prompt: int, sample: int
+    task: asyncio.Future[object], *, limit: float | None, name: str, prompt: int, sample: int
 ) -> float:
     """An async reward's checked value once awaited, or a :class:`RewardError` (late,
     cancelled, raised)."""

@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ppo_driver._json import JSONValue
+
 DEFAULT_ALPHABET = "abcdefgh0123456789:"
 """The synthetic task's alphabet (letters to repeat, digits for counts, a separator)."""
 
@@ -218,10 +220,15 @@ def _generation_eos_ids(path: Path, *, exclude: int) -> list[int]:
 
 
 def encode_prompt(
-    tokenizer: Tokenizer, prompt: str | Sequence[Mapping[str, str]], *, chat_template: bool
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[Mapping[str, str]] | JSONValue,
+    *,
+    chat_template: bool,
 ) -> list[int]:
     """The token ids of a prompt: ``tokenizer.encode(prompt)``, or with ``chat_template``
-    the tokenizer's chat template around it (:meth:`HFTokenizer.encode_chat`)."""
+    the tokenizer's chat template around it (:meth:`HFTokenizer.encode_chat`). A data
+    set record's value (a JSON value) is checked here: a string, or with the chat
+    template whatever the template accepts (a list of messages)."""
     if not chat_template:
         if not isinstance(prompt, str):
             raise ValueError("a prompt must be a string (message lists need the chat template)")
