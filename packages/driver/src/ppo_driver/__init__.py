@@ -9,7 +9,35 @@ loads Ray.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the real types of the lazy names, for type checkers
+    from ppo_driver.batch import ChunkBatch, StepBatch
+    from ppo_driver.checkpoint import (
+        CheckpointDamaged,
+        find_latest,
+        load_checkpoint,
+        save_checkpoint,
+        verify_checkpoint,
+    )
+    from ppo_driver.config import (
+        ConfigError,
+        ConfigProblem,
+        DriverConfig,
+        ValidationReport,
+        ValidConfig,
+        default_config_path,
+        load_config,
+        validate,
+        validated,
+    )
+    from ppo_driver.metrics import MetricsWriter, plot_rewards
+    from ppo_driver.pump import ChunkGate, InjectedFailure, NonFiniteError, StepReport, TrainPump
+    from ppo_driver.rollout import ClusterLost, RewardFailure
+    from ppo_driver.run import RunFailed, RunResult, RunStopped, train
+    from ppo_driver.startup import StartupError
+    from ppo_driver.trace import TraceRecorder
+    from ppo_driver.workers import TrainGroup, WorkerLost
 
 __version__ = "0.7.0"
 
@@ -87,7 +115,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ppo_driver' has no attribute {name!r}")

@@ -9,13 +9,14 @@ import logging
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from ppo_trainer import ModelSpec, save_hf_checkpoint
 from transformers import AutoTokenizer
 
 from ppo_driver._faults import _not_file_only
+from ppo_driver._json import as_float, as_int
 from ppo_driver.config import DriverConfig
 from ppo_driver.metrics import plot_rewards, read_metrics
 from ppo_driver.pump import TrainPump
@@ -73,15 +74,15 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _summary(rows: list[dict[str, Any]], *, wall_s: float, run_dir: Path) -> None:
+def _summary(rows: Sequence[Mapping[str, object]], *, wall_s: float, run_dir: Path) -> None:
     """The run in two lines: steps, time, chunks per step, how the reward moved."""
     if not rows:
         return
-    chunks = [int(r["train/chunks"]) for r in rows]
+    chunks = [as_int(r["train/chunks"]) for r in rows]
     first, last = rows[0]["rollout/reward_mean"], rows[-1]["rollout/reward_mean"]
     k = max(1, min(10, len(rows) // 4))
-    head = sum(r["rollout/reward_mean"] for r in rows[:k]) / k
-    tail = sum(r["rollout/reward_mean"] for r in rows[-k:]) / k
+    head = sum(as_float(r["rollout/reward_mean"]) for r in rows[:k]) / k
+    tail = sum(as_float(r["rollout/reward_mean"]) for r in rows[-k:]) / k
     log.info(
         "done: %d step(s) in %.1f s | chunks per step: %s (mean %.2f) | mean reward %.3f -> %.3f "
         "(first %d vs last %d steps: %.3f -> %.3f) | %s",

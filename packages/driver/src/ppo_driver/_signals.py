@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,7 +63,7 @@ class _SignalGuard:
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
             log.warning("%s: already stopping (shutting down); SIGKILL forces an exit", name)

@@ -35,17 +35,19 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from ._json import JSONObject, as_int
 from ._latest import _PARTIAL, _complete, _name, checkpoint_step, complete_checkpoints, find_latest
 
 __all__ = [
     "MANIFEST",
     "CheckpointDamaged",
     "CheckpointData",
+    "RngState",
     "checkpoint_step",
     "complete_checkpoints",
     "find_latest",
@@ -89,16 +91,23 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
-def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+class RngState(TypedDict):
+    """The driver's Python RNG state in ``driver.json``: ``random.getstate()``'s version,
+    its Mersenne Twister words and the cached Gaussian (a JSON list once read back)."""
+
+    python_random: tuple[int, list[int], float | None]
+
+
+def rng_state() -> tuple[RngState, dict[str, torch.Tensor]]:
     """The driver process's RNG state: Python's (JSON) and torch's CPU generator (tensor)."""
     version, internal, gauss = random.getstate()
     return (
-        {"python_random": [version, list(internal), gauss]},
+        {"python_random": (version, list(internal), gauss)},
         {"rng/torch_cpu": torch.get_rng_state()},
     )
 
 
-def restore_rng(state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+def restore_rng(state: RngState, tensors: Mapping[str, torch.Tensor]) -> None:
     version, internal, gauss = state["python_random"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(tensors["rng/torch_cpu"])
@@ -108,7 +117,7 @@ def save_checkpoint(
     checkpoints_dir: str | Path,
     step: int,
     *,
-    state: Mapping[str, Any],
+    state: Mapping[str, object],
     tensors: Mapping[str, torch.Tensor],
     write_models: Callable[[Path], None],
     keep: int = 2,
@@ -183,7 +192,7 @@ def load_checkpoint(path: str | Path) -> CheckpointData:
         tensors = load_file(str(path / "tensors.safetensors"))
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointDamaged(path, path / "tensors.safetensors", str(exc)) from exc
-    return CheckpointData(path=path, step=int(state["step"]), state=state, tensors=tensors)
+    return CheckpointData(path=path, step=as_int(state["step"]), state=state, tensors=tensors)
 
 
 # ------------------------------------------------------------------- integrity
@@ -254,7 +263,7 @@ def _write_manifest(root: Path) -> None:
     (root / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
 
 
-def _read_json(checkpoint: Path, path: Path) -> dict[str, Any]:
+def _read_json(checkpoint: Path, path: Path) -> JSONObject:
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError as exc:

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from ppo_driver._json import JSONObject, as_float, as_int
+
 __all__ = [
     "TENSORBOARD_DIR",
     "MetricsWriter",
@@ -24,7 +26,7 @@ TENSORBOARD_DIR = "tensorboard"
 ``tensorboard --logdir runs/`` lists each run as ``<name>/tensorboard``."""
 
 
-def _clean(value: Any) -> Any:
+def _clean(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
@@ -50,7 +52,9 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep_steps_below is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if int(r.get("step", -1)) < keep_steps_below]
+            kept = [
+                r for r in read_metrics(self.path) if as_int(r.get("step", -1)) < keep_steps_below
+            ]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
@@ -63,7 +67,7 @@ class MetricsWriter:
             else TensorBoardWriter(tensorboard_dir, purge_step=keep_steps_below)
         )
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         assert self._fh is not None, "writer closed"
         self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._fh.flush()
@@ -101,9 +105,9 @@ class TensorBoardWriter:
         self.log_dir = Path(log_dir)
         self._writer: Any = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         assert self._writer is not None, "writer closed"
-        step = int(record["step"])
+        step = as_int(record["step"])
         for key, value in record.items():
             if key == "step" or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
@@ -116,21 +120,21 @@ class TensorBoardWriter:
             self._writer = None
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def read_metrics(path: str | Path) -> list[JSONObject]:
+    rows: list[JSONObject] = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
             rows.append(json.loads(line))
     return rows
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
 
 
-def format_step_line(record: Mapping[str, Any]) -> str:
+def format_step_line(record: Mapping[str, object]) -> str:
     """The console line of one step: reward, KL, clip fraction, value loss, chunks, times."""
     keys = (
         ("reward", "rollout/reward_mean"),
@@ -156,7 +160,7 @@ def format_step_line(record: Mapping[str, Any]) -> str:
 
 
 def plot_rewards(
-    rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "mean reward"
+    rows: Sequence[Mapping[str, object]], path: str | Path, *, title: str = "mean reward"
 ) -> Path:
     """Write a PNG of the mean reward per step (matplotlib, Agg backend)."""
     import matplotlib
@@ -164,9 +168,9 @@ def plot_rewards(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [int(r["step"]) for r in rows if r.get("rollout/reward_mean") is not None]
+    steps = [as_int(r["step"]) for r in rows if r.get("rollout/reward_mean") is not None]
     rewards = [
-        float(r["rollout/reward_mean"]) for r in rows if r.get("rollout/reward_mean") is not None
+        as_float(r["rollout/reward_mean"]) for r in rows if r.get("rollout/reward_mean") is not None
     ]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, rewards, marker="o", linewidth=1.5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +51,7 @@ class TraceRecorder:
         end_s: float,
         track: str = "training",
         step: int | None = None,
-        args: dict[str, Any] | None = None,
+        args: Mapping[str, object] | None = None,
         phase: str | None = None,
     ) -> None:
         """Record one phase between two ``time.perf_counter()`` readings."""
@@ -78,7 +78,7 @@ class TraceRecorder:
         track: str = "training",
         step: int | None = None,
         phase: str | None = None,
-        args: dict[str, Any] | None = None,
+        args: Mapping[str, object] | None = None,
     ) -> Iterator[None]:
         start = time.perf_counter()
         try:
