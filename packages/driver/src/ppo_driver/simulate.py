@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Literal, TypedDict
 
 import yaml
 from ppo_sampler import (
@@ -38,7 +38,48 @@ from ppo_sampler import (
     simulate_minimums,
 )
 
+from ppo_driver._json import JSONValue, as_float, as_int
+from ppo_driver.trace import TraceEvent
+
 __all__ = ["FittedRun", "fit_run", "what_if"]
+
+_Seconds = Literal[
+    "perf/step_s",
+    "perf/generation_s",
+    "perf/wait_s",
+    "perf/chunk_s",
+    "perf/value_s",
+    "perf/backward_s",
+    "perf/logprob_s",
+    "perf/update_s",
+    "perf/refit_s",
+    "perf/critic_s",
+    "perf/switch_s",
+]
+_Counts = Literal["train/chunks", "train/switches"]
+
+_StepRow = TypedDict(
+    "_StepRow",
+    {
+        "step": int,
+        "rollout/group_len_max": list[int],
+        "perf/step_s": float,
+        "perf/generation_s": float,
+        "perf/wait_s": float,
+        "perf/chunk_s": float,
+        "perf/value_s": float,
+        "perf/backward_s": float,
+        "perf/logprob_s": float,
+        "perf/update_s": float,
+        "perf/refit_s": float,
+        "perf/critic_s": float,
+        "perf/switch_s": float,
+        "train/chunks": float,
+        "train/switches": float,
+    },
+    total=False,
+)
+"""The part of a ``metrics.jsonl`` row the simulator reads (the pump writes more)."""
 
 EMBEDDED_GATHER_S = 0.05
 """The embedded engine's gather window (``EmbeddedEngine(gather_s=...)``'s default): a
@@ -58,15 +99,15 @@ class FittedRun:
     steps_used: int
 
 
-def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+def _section(config: Mapping[str, JSONValue], key: str) -> Mapping[str, JSONValue]:
     value = config.get(key) or {}
     if not isinstance(value, Mapping):
         raise ValueError(f"config.yaml: {key} must be a mapping, got {type(value).__name__}")
     return value
 
 
-def _mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:
-    return statistics.fmean(float(r.get(key) or 0.0) for r in rows)
+def _mean(rows: Sequence[_StepRow], key: _Seconds | _Counts) -> float:
+    return statistics.fmean(as_float(r.get(key) or 0.0) for r in rows)
 
 
 def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
@@ -89,7 +130,9 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
                 "that ppo-driver train wrote (it holds config.yaml and metrics.jsonl)"
             )
     config = yaml.safe_load(config_path.read_text()) or {}
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows: list[_StepRow] = [
+        json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()
+    ]
     if not rows:
         raise ValueError(f"--from {run}: metrics.jsonl records no step; let the run finish one")
     missing = [r.get("step") for r in rows if not r.get("rollout/group_len_max")]
@@ -101,9 +144,9 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
     used = rows[skip_steps:] or rows
     ppo, async_rl = _section(config, "ppo"), _section(config, "async_rl")
     sampler, rollout = _section(async_rl, "sampler"), _section(config, "rollout")
-    batch = int(ppo.get("num_prompts_per_step", 64))
-    spg = int(ppo.get("num_generations_per_prompt", 4))
-    min_groups = int(async_rl.get("min_groups_for_streaming_train", batch))
+    batch = as_int(ppo.get("num_prompts_per_step", 64))
+    spg = as_int(ppo.get("num_generations_per_prompt", 4))
+    min_groups = as_int(async_rl.get("min_groups_for_streaming_train", batch))
     name = str(sampler.get("name", "in_order"))
     bound = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
     workload = Workload(
@@ -111,8 +154,8 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
         min_groups=min_groups,
         samples_per_group=spg,
         sampler=name,
-        lookahead=int(sampler.get(bound, 0)),
-        max_in_flight=int(async_rl.get("max_prompts_in_flight", 0)),
+        lookahead=as_int(sampler.get(bound, 0)),
+        max_in_flight=as_int(async_rl.get("max_prompts_in_flight", 0)),
     )
     lengths = MeasuredLengths(
         lengths=tuple(int(n) for r in used for n in r["rollout/group_len_max"]), per_group=True
@@ -131,7 +174,7 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
     )
 
 
-def _read_trace(path: Path) -> list[dict[str, Any]]:
+def _read_trace(path: Path) -> list[TraceEvent]:
     """The complete events of ``trace.json`` ([] without one)."""
     if not path.is_file():
         return []
@@ -139,7 +182,7 @@ def _read_trace(path: Path) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X"]
 
 
-def _observed_ends(events: Sequence[Mapping[str, Any]]) -> set[int]:
+def _observed_ends(events: Sequence[TraceEvent]) -> set[int]:
     """Steps whose generation window ends when the pump saw the last group arrive.
 
     The window closes when the pump files the step's last group; that is the moment it
@@ -149,11 +192,11 @@ def _observed_ends(events: Sequence[Mapping[str, Any]]) -> set[int]:
     waits: dict[int, list[float]] = {}
     for e in events:
         if e.get("cat") == "wait":
-            waits.setdefault(e["args"].get("step", -1), []).append(e["ts"] + e["dur"])
+            waits.setdefault(as_int(e["args"].get("step", -1)), []).append(e["ts"] + e["dur"])
     out: set[int] = set()
     for e in events:
         if e.get("cat") == "generation":
-            step, end = e["args"].get("step", -1), e["ts"] + e["dur"]
+            step, end = as_int(e["args"].get("step", -1)), e["ts"] + e["dur"]
             if any(abs(end - w) < _OBSERVED_US for w in waits.get(step, [])):
                 out.add(step)
     return out
@@ -164,15 +207,15 @@ _OBSERVED_US = 50_000.0
 
 
 def _fit_generation(
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[_StepRow],
     workload: Workload,
-    rollout: Mapping[str, Any],
+    rollout: Mapping[str, JSONValue],
     observed: set[int],
 ) -> GenerationModel:
     """Seconds per token: the median over steps whose generation end the pump observed;
     with none, the smallest upper bound (then generation hid behind training, where its
     exact speed matters less)."""
-    engines = int(rollout.get("num_engines", 1))
+    engines = as_int(rollout.get("num_engines", 1))
     embedded = rollout.get("engine", "embedded") == "embedded"
     latency = EMBEDDED_GATHER_S if embedded else 0.0
     timed = [
@@ -201,7 +244,7 @@ def _fit_generation(
     )
 
 
-def _update_calls(events: Sequence[Mapping[str, Any]], steps: set[int]) -> dict[str, float]:
+def _update_calls(events: Sequence[TraceEvent], steps: set[int]) -> dict[str, float]:
     """Mean seconds per step of the actor's update calls in the trace (``finish_step``:
     one optimizer step; ``train_epochs``: epochs 2..K, each with its step)."""
     totals: dict[str, float] = {}
@@ -212,14 +255,14 @@ def _update_calls(events: Sequence[Mapping[str, Any]], steps: set[int]) -> dict[
 
 
 def _fit_costs(
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[_StepRow],
     workload: Workload,
-    ppo: Mapping[str, Any],
+    ppo: Mapping[str, JSONValue],
     calls: Mapping[str, float],
 ) -> TrainingCosts:
     samples = workload.batch * workload.samples_per_group
-    epochs = int(ppo.get("ppo_epochs", 1))
-    critic_epochs = int(ppo.get("critic_ppo_epochs", 1))
+    epochs = as_int(ppo.get("ppo_epochs", 1))
+    critic_epochs = as_int(ppo.get("critic_ppo_epochs", 1))
     full = workload.min_groups == workload.batch
     logprob_pass = full and epochs > 1
     value = _mean(rows, "perf/value_s") / samples

@@ -15,11 +15,27 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["PhaseTimer", "TraceRecorder"]
+from ppo_driver._json import JSONValue
+
+__all__ = ["PhaseTimer", "TraceEvent", "TraceRecorder"]
 
 _TRACKS = {"training": 1, "generation": 2, "generation (odd steps)": 3, "driver": 4}
+
+
+class TraceEvent(TypedDict):
+    """One complete event (``"ph": "X"``) of the Chrome trace format; ``ts`` and ``dur``
+    in microseconds, ``cat`` the phase, ``tid`` the track, ``args`` (``step``, ...)."""
+
+    name: str
+    cat: str
+    ph: str
+    ts: float
+    dur: float
+    pid: int
+    tid: int
+    args: dict[str, JSONValue]
 
 
 @dataclass
@@ -37,7 +53,7 @@ class TraceRecorder:
 
     def __init__(self, *, origin: float | None = None) -> None:
         self.origin = time.perf_counter() if origin is None else origin
-        self.events: list[dict[str, Any]] = []
+        self.events: list[TraceEvent] = []
         self.step_timer = PhaseTimer()
 
     def now_us(self) -> float:
@@ -51,11 +67,11 @@ class TraceRecorder:
         end_s: float,
         track: str = "training",
         step: int | None = None,
-        args: Mapping[str, object] | None = None,
+        args: Mapping[str, JSONValue] | None = None,
         phase: str | None = None,
     ) -> None:
         """Record one phase between two ``time.perf_counter()`` readings."""
-        event: dict[str, Any] = {
+        event: TraceEvent = {
             "name": name,
             "cat": phase or name,
             "ph": "X",
@@ -78,7 +94,7 @@ class TraceRecorder:
         track: str = "training",
         step: int | None = None,
         phase: str | None = None,
-        args: Mapping[str, object] | None = None,
+        args: Mapping[str, JSONValue] | None = None,
     ) -> Iterator[None]:
         start = time.perf_counter()
         try:
@@ -109,7 +125,7 @@ class TraceRecorder:
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": track}}
             for track, tid in _TRACKS.items()
         ]
-        doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms"}
+        doc = {"traceEvents": [*meta, *self.events], "displayTimeUnit": "ms"}
         tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)
