@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 _LAZY = {
     "ConfigError": "ppo_driver.config",
@@ -25,7 +25,7 @@ _LAZY = {
     "validated": "ppo_driver.config",
     "ChunkGate": "ppo_driver.pump",
     "InjectedFailure": "ppo_driver.pump",
-    "NonFiniteError": "ppo_driver.pump",
+    "NonFiniteError": "ppo_driver.metrics",
     "RunStopped": "ppo_driver.run",
     "RunFailed": "ppo_driver.run",
     "StartupError": "ppo_driver.startup",

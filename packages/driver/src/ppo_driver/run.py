@@ -156,11 +156,9 @@ def train(
     ``fail_at="<step>:<point>"`` (or the ``PPO_DRIVER_FAIL_AT`` environment variable)
     raises :class:`~ppo_driver.pump.InjectedFailure` at a named point: ``after_chunks``,
     ``after_policy_update``, ``before_critic``, ``after_step`` or ``checkpoint``.
-    ``keep_ray`` leaves the Ray cluster up (tests share one per module).
-
-    ``config``: a :class:`~ppo_driver.config.ValidConfig`, or a ``DriverConfig`` that is
-    validated here first (:class:`~ppo_driver.config.ConfigError` with every problem,
-    before anything starts), so the Python API gets the CLI's refusals.
+    ``keep_ray`` leaves the Ray cluster up (tests share one per module). A ``DriverConfig``
+    is validated first (:class:`~ppo_driver.config.ConfigError` with every problem before
+    anything starts): the Python API gets the CLI's refusals.
     """
     t_run = time.perf_counter()
     cfg = validated(config).config
