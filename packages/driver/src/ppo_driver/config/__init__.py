@@ -16,11 +16,13 @@ span packages.
 One module per concern: :mod:`.schema` (the sections), :mod:`.loading` (YAML and
 overrides), :mod:`.problems` (the report), :mod:`.packages` (the mapping to the packages'
 configs and their problems by YAML key), :mod:`.rules` (the driver's keys and the rules
-across packages), :mod:`.megatron`, :mod:`.preflight` (files, tokenizer, data,
-reward), :mod:`.engines` (cluster, engines, extras) and :mod:`.validation`.
+across packages), :mod:`.megatron`, :mod:`.preflight` (model files, and the workload
+against the models) and :mod:`.validation`. The rules of the engines, the workload and
+the machine live with what they govern: ``ppo_driver.rollout._engine_rules``,
+``ppo_driver._workload_rules`` and ``ppo_driver._machine_rules``.
 """
 
-from ppo_driver.config.engines import cuda_device_count, local_num_cpus
+from ppo_driver._machine import cuda_device_count, local_num_cpus
 from ppo_driver.config.loading import apply_overrides, default_config_path, load_config
 from ppo_driver.config.packages import (
     LAYOUT_KEYS,

@@ -5,9 +5,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ppo_driver.config.schema import DriverConfig, freeze
 
@@ -17,13 +16,24 @@ class ConfigProblem:
     """One configuration problem: the key, the value, what is wrong and how to fix it."""
 
     key: str
-    value: Any
+    value: object
     message: str
     fix: str
     severity: str = "error"  # "error" | "warning"
 
     def __str__(self) -> str:
         return f"{self.severity}: {self.key}={self.value!r}: {self.message}; fix: {self.fix}"
+
+
+def must_be(key: str, value: object, rule: str, example: object = None) -> ConfigProblem:
+    """``key`` must be ``rule`` (a range, a set of names), e.g. ``example``."""
+    eg = "" if example is None else f", e.g. {example}"
+    return ConfigProblem(key, value, f"must be {rule}", f"set {key} to a value {rule}{eg}")
+
+
+def warning(key: str, value: object, message: str, fix: str) -> ConfigProblem:
+    """A :class:`ConfigProblem` that does not refuse the config."""
+    return ConfigProblem(key, value, message, fix, severity="warning")
 
 
 class ConfigError(ValueError):
@@ -46,6 +56,21 @@ class ValidationReport:
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def error(self, key: str, value: object, message: str, fix: str) -> None:
+        self.errors.append(ConfigProblem(key, value, message, fix))
+
+    def warn(self, key: str, value: object, message: str, fix: str) -> None:
+        self.warnings.append(warning(key, value, message, fix))
+
+    def add(self, problems: Iterable[ConfigProblem]) -> None:
+        """Each problem into ``errors`` or ``warnings`` by its severity."""
+        for p in problems:
+            (self.warnings if p.severity == "warning" else self.errors).append(p)
+
+    def refused(self, key: str) -> bool:
+        """Whether an error names ``key`` already (one problem per key is enough)."""
+        return any(p.key == key for p in self.errors)
 
     def raise_if_errors(self) -> None:
         if self.errors:
@@ -75,7 +100,7 @@ class ValidConfig:
         freeze(self.config)
 
 
-def _non_finite_problem(key: str, value: Any) -> ConfigProblem:
+def _non_finite_problem(key: str, value: object) -> ConfigProblem:
     return ConfigProblem(
         key,
         value,
