@@ -19,7 +19,7 @@ configs and their problems by YAML key), :mod:`.rules` (the driver's keys and th
 across packages), :mod:`.megatron`, :mod:`.preflight` (model files, and the workload
 against the models) and :mod:`.validation`. The rules of the engines, the workload and
 the machine live with what they govern: ``ppo_driver.rollout._engine_rules``,
-``ppo_driver._workload_rules`` and ``ppo_driver._machine_rules``.
+``ppo_driver.workload`` and ``ppo_driver._machine_rules``.
 """
 
 from ppo_driver._machine import cuda_device_count, local_num_cpus

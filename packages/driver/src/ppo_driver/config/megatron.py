@@ -16,6 +16,7 @@ from ppo_trainer import (
     option_problems,
 )
 
+from ppo_driver import _model_rules
 from ppo_driver.config.packages import (
     MEGATRON_EXTRA,
     ROLES,
@@ -24,7 +25,6 @@ from ppo_driver.config.packages import (
     _report,
     model_path,
 )
-from ppo_driver.config.preflight import _hf_config
 from ppo_driver.config.problems import ValidationReport
 from ppo_driver.config.schema import DriverConfig, MegatronCfg, Role
 
@@ -76,7 +76,7 @@ def _check_megatron_model(r: ValidationReport, cfg: DriverConfig, role: Role) ->
         return
     key = f"{role}.model_path" if cfg.model(role).model_path is not None else "policy.model_path"
     try:
-        problems = model_config_problems(_hf_config(source))
+        problems = model_config_problems(_model_rules.hf_config(source))
     except Exception:  # an unreadable directory: reported by _check_model_dirs
         return
     if problems:
@@ -171,7 +171,7 @@ def _model_shape(cfg: DriverConfig, role: Role) -> dict[str, Any]:
         )
     else:
         try:
-            hf = _hf_config(source)
+            hf = _model_rules.hf_config(source)
             heads, layers, vocab = hf.num_attention_heads, hf.num_hidden_layers, hf.vocab_size
             kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         except Exception:  # reported by _check_model_dirs

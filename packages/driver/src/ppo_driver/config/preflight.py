@@ -1,22 +1,18 @@
-"""Preflight of the files: the model directories, and the workload
-(``ppo_driver._workload_rules``: tokenizer, data, reward, loaded as ``train`` loads them)
-checked against the models: the tokenizer's ids fit each vocabulary, each prompt fits
-each context.
+"""Preflight of the files: the model directories (``ppo_driver._model_rules``) and the
+workload (``ppo_driver.workload``: tokenizer, data, reward, loaded as ``train``
+loads them), each by its own rules, then checked against each other: the tokenizer's ids
+fit each vocabulary, each prompt fits each context.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import transformers
-
-from ppo_driver.config.packages import _SIZE_FIELDS, ROLES, model_path
-from ppo_driver.config.problems import ConfigProblem, ValidationReport
-from ppo_driver.config.schema import DriverConfig, ModelConfig, Role
+from ppo_driver import _model_rules
+from ppo_driver.config.packages import ROLES
+from ppo_driver.config.problems import ValidationReport
+from ppo_driver.config.schema import DriverConfig, Role
 
 if TYPE_CHECKING:
     from ppo_driver.rollout import PromptDataset, Tokenizer
@@ -25,107 +21,16 @@ if TYPE_CHECKING:
 def _check_files(r: ValidationReport, cfg: DriverConfig) -> None:
     """Model directories (config.json, safetensors weights), then the workload's own
     rules, then its tokenizer and data against the models."""
-    from ppo_driver._workload_rules import workload_problems  # lazy: loads the engines
+    from ppo_driver.workload import check_workload  # lazy: loads the engines
 
-    shapes = _check_model_dirs(r, cfg)
-    check = workload_problems(cfg, policy_dir_ok="policy" in shapes)
+    shapes = _model_rules.check_model_dirs(r, cfg)
+    check = check_workload(cfg, policy_dir_ok="policy" in shapes)
     r.add(check.problems)
+    r.workload = check.workload
     if check.tokenizer is not None:
         _check_vocabularies(r, cfg, shapes, check.tokenizer)
     for key, (path, dataset) in check.datasets.items():
         _check_context(r, cfg, key, path, dataset)
-
-
-def _hf_config(source: str) -> transformers.PretrainedConfig:
-    """``transformers.AutoConfig`` of the model directory ``source``, as the workers load
-    it (raises as that does). Several checks ask for it: it is read once per state of the
-    directory's config.json."""
-    stat = (Path(source) / "config.json").stat()
-    return _hf_config_read(str(Path(source).absolute()), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _hf_config_read(source: str, mtime_ns: int, size: int) -> transformers.PretrainedConfig:
-    config: transformers.PretrainedConfig = transformers.AutoConfig.from_pretrained(source)
-    return config
-
-
-def _read_model_dir(key: str, path: str) -> tuple[ConfigProblem | None, dict[str, Any] | None]:
-    """The config.json of the model directory ``path`` (``key``: its YAML key), or the
-    problem that refuses it: missing, no config.json, not JSON, no safetensors weights,
-    a config transformers cannot read."""
-    fix = (
-        f"point {key} at a local Hugging Face model directory (config.json, "
-        "*.safetensors and, for the policy, the tokenizer files), or remove it for the "
-        "built-in tiny model"
-    )
-    model = Path(path)
-    config = model / "config.json"
-    if not model.exists():
-        return ConfigProblem(key, path, f"{model} does not exist", fix), None
-    if not model.is_dir():
-        return ConfigProblem(key, path, f"{model} is not a directory", fix), None
-    if not config.is_file():
-        return ConfigProblem(key, path, f"{model} has no config.json", fix), None
-    try:
-        hf = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return ConfigProblem(key, path, f"{config} is not readable JSON ({exc})", fix), None
-    if not isinstance(hf, dict):
-        return ConfigProblem(key, path, f"{config} is not a JSON object", fix), None
-    if not any(model.glob("*.safetensors")):
-        why = (
-            f"{model} has no *.safetensors weights (the trainer loads safetensors only, "
-            "never pickled *.bin files)"
-        )
-        safe = f"{fix}; convert the weights with save_pretrained(..., safe_serialization=True)"
-        return ConfigProblem(key, path, why, safe), None
-    try:
-        _hf_config(str(model))  # what the workers read
-    except Exception as exc:  # transformers raises many kinds for a bad config
-        why = (
-            f"transformers cannot read {config}: {type(exc).__name__}: {' '.join(str(exc).split())}"
-        )
-        return ConfigProblem(
-            key, path, why, f"{fix}; fix config.json (AutoConfig.from_pretrained must load it)"
-        ), None
-    return None, hf
-
-
-def _check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict[str, Any]]:
-    """Each ``model_path`` given: a directory with ``config.json`` (a JSON object) and
-    ``*.safetensors`` weights. Returns the config.json of each role whose model comes
-    from a directory (the critic's may be the policy's); sizes set beside a
-    ``model_path`` are warned about (the checkpoint's config.json decides them)."""
-    configs: dict[str, dict[str, Any]] = {}
-    for role in ROLES:
-        path = getattr(cfg, role).model_path
-        if path is not None:
-            problem, hf = _read_model_dir(f"{role}.model_path", path)
-            if problem is not None:
-                r.errors.append(problem)
-            elif hf is not None:
-                configs[role] = hf
-    out: dict[Role, dict[str, Any]] = {}
-    for role in ROLES:
-        own = getattr(cfg, role).model_path
-        source: Role = role if own is not None or role != "critic" else "policy"
-        if model_path(cfg, role) is None:
-            continue
-        if source in configs:
-            out[role] = configs[source]
-        where, borrowed = f"{source}.model_path", source != role
-        for name in _SIZE_FIELDS:
-            value, default = getattr(cfg.model(role), name), getattr(ModelConfig(), name)
-            if value != default:
-                r.warn(
-                    f"{role}.{name}",
-                    value,
-                    f"has no effect: the {role} model comes from {where} (its "
-                    "config.json gives the sizes)",
-                    f"remove {role}.{name}" + (", or set critic.model_path" if borrowed else ""),
-                )
-    return out
 
 
 def _check_vocabularies(
@@ -152,24 +57,6 @@ def _check_vocabularies(
             )
 
 
-def _context_length(cfg: DriverConfig, role: Role) -> tuple[int, bool, str] | None:
-    """``role``'s model context (``max_position_embeddings``), whether its positions are
-    rotary (RoPE runs past it, worse; learned positions cannot), and where it is read;
-    None for the built-in model or an unreadable config (reported elsewhere)."""
-    source = model_path(cfg, role)
-    if source is None:
-        return None
-    try:
-        hf = _hf_config(source)
-    except Exception:  # reported by _check_model_dirs
-        return None
-    length = getattr(hf, "max_position_embeddings", None)
-    if not isinstance(length, int) or length <= 0:
-        return None
-    rotary = getattr(hf, "rope_parameters", None) is not None or hasattr(hf, "rope_theta")
-    return length, rotary, f"{source}/config.json"
-
-
 def _check_context(
     r: ValidationReport, cfg: DriverConfig, key: str, path: str, dataset: PromptDataset
 ) -> None:
@@ -181,7 +68,7 @@ def _check_context(
     prompt = len(dataset.prompt_ids(longest))
     new = cfg.rollout.max_new_tokens
     for role in ROLES:
-        context = _context_length(cfg, role)
+        context = _model_rules.context_length(cfg, role)
         if context is None or prompt + new <= context[0]:
             continue
         length, rotary, where = context

@@ -7,8 +7,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ppo_driver.config.schema import DriverConfig, freeze
+
+if TYPE_CHECKING:
+    from ppo_driver.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,10 @@ class ConfigError(ValueError):
 class ValidationReport:
     errors: list[ConfigProblem] = field(default_factory=list)
     warnings: list[ConfigProblem] = field(default_factory=list)
-    # A copy of the config validate() judged (None: a report built by hand).
+    # A copy of the config validate() judged (None: a report built by hand), and the
+    # workload it loaded (tokenizer, data, reward: what train would load again).
     judged: DriverConfig | None = field(default=None, repr=False, compare=False)
+    workload: Workload | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -82,7 +88,7 @@ class ValidationReport:
         self.raise_if_errors()
         if self.judged is None:
             raise ValueError("this report was not made by validate(): call validate(cfg)")
-        return ValidConfig(copy.deepcopy(self.judged), tuple(self.warnings))
+        return ValidConfig(copy.deepcopy(self.judged), tuple(self.warnings), self.workload)
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class ValidConfig:
 
     config: DriverConfig
     warnings: tuple[ConfigProblem, ...] = ()
+    # validate's workload, loaded once: train uses it (None: train loads it)
+    workload: Workload | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         freeze(self.config)

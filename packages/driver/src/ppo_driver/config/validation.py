@@ -44,7 +44,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     layout for both models, group alignment over each model's data-parallel size, the
     optional extras, the model / data files and the reward function (imported here). The
     rules of the engines, the workload and the machine live with them
-    (``ppo_driver.rollout._engine_rules``, ``ppo_driver._workload_rules``,
+    (``ppo_driver.rollout._engine_rules``, ``ppo_driver.workload``,
     ``ppo_driver._machine_rules``); this only asks them.
     Runs before Ray starts and returns all problems at once; never raises.
     """
