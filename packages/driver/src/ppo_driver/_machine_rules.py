@@ -1,14 +1,18 @@
 """The machine's and the cluster's rules in ``validate``: the cluster address or the
-local cluster's CPUs and GPUs (``ppo_driver._cluster`` starts or joins it), and the
-optional tensorboard extra (sglang's is ``rollout._engine_rules``'s).
+local cluster's CPUs and GPUs (``ppo_driver._cluster`` starts or joins it), the offload
+backend on this machine's device (as ``ppo_trainer.memory_saver_problem`` states it), and
+the optional tensorboard extra (sglang's is ``rollout._engine_rules``'s).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ppo_placement import cluster_address_problem
+from ppo_trainer import OFFLOAD_BACKENDS, memory_saver_problem
 
 from ppo_driver import _machine
-from ppo_driver.config.packages import cluster_layout
+from ppo_driver.config.packages import ROLES, cluster_layout
 from ppo_driver.config.problems import ConfigProblem, warning
 from ppo_driver.config.schema import DriverConfig
 
@@ -101,3 +105,34 @@ def tensorboard_problems(cfg: DriverConfig) -> list[ConfigProblem]:
             "tensorboard`), or set run.tensorboard=false (metrics.jsonl is written either way)",
         )
     ]
+
+
+def offload_problems(cfg: DriverConfig, *, refused: Collection[str]) -> list[ConfigProblem]:
+    """``policy/critic.offload_backend`` on this machine's device, as the trainer's
+    backends resolve it (``ppo_trainer.memory_saver_problem``: ``memory_saver`` needs
+    CUDA, torch_memory_saver and the torch backend); ``none`` (offload off, the shared
+    actor/critic report's debugging switch) is warned about. An unknown name, or a key
+    in ``refused``, is the trainer's config check."""
+    out = []
+    for role in ROLES:
+        m, key = cfg.model(role), f"{role}.offload_backend"
+        if m.offload_backend not in OFFLOAD_BACKENDS or key in refused:
+            continue
+        if m.offload_backend == "none":
+            out.append(
+                warning(
+                    key,
+                    "none",
+                    f"offload is off: the {role} stays on the training devices while the other "
+                    "model works, so both models and their optimizer states must fit there "
+                    "at once (for debugging offload only)",
+                    f"set {key}=auto to time-share the devices",
+                )
+            )
+        if m.offload_backend in ("memory_saver", "torch_memory_saver"):
+            device = "cuda" if _machine.cuda_available() else "cpu"
+            backend = "megatron" if m.megatron_cfg.enabled else "torch"
+            problem = memory_saver_problem(device=device, backend=backend, key=key)
+            if problem is not None:
+                out.append(ConfigProblem(key, m.offload_backend, *problem))
+    return out

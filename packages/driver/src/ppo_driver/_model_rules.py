@@ -1,6 +1,7 @@
 """The model directories in ``validate`` (``policy/critic.model_path``): what the
 trainer's workers and the engines load from them (a ``config.json`` transformers reads,
-``*.safetensors`` weights), and the sizes the checkpoint decides instead of the config.
+``*.safetensors`` weights), the sizes the checkpoint decides instead of the config, and
+whether the Megatron backend builds it (``ppo_trainer.megatron.model_config_problems``).
 
 ``ppo_driver.config`` imports this module as a whole (``from ppo_driver import
 _model_rules``): it imports ``ppo_driver.config``'s submodules in turn.
@@ -128,3 +129,30 @@ def context_length(cfg: DriverConfig, role: Role) -> tuple[int, bool, str] | Non
         return None
     rotary = getattr(hf, "rope_parameters", None) is not None or hasattr(hf, "rope_theta")
     return length, rotary, f"{source}/config.json"
+
+
+def megatron_model_problems(cfg: DriverConfig, role: Role) -> list[ConfigProblem]:
+    """The checkpoint ``role`` is built from is one the megatron backend builds
+    (``ppo_trainer.megatron.model_config_problems``: the Llama / Qwen2 family with plain
+    RoPE); the built-in tiny model always is."""
+    from ppo_trainer.megatron import MODEL_FAMILY, model_config_problems  # lazy: the extra
+
+    source = model_path(cfg, role)
+    if source is None:
+        return []
+    key = f"{role}.model_path" if cfg.model(role).model_path is not None else "policy.model_path"
+    try:
+        problems = model_config_problems(hf_config(source))
+    except Exception:  # an unreadable directory: reported by check_model_dirs
+        return []
+    if not problems:
+        return []
+    return [
+        ConfigProblem(
+            key,
+            source,
+            f"the {role}'s model cannot be built by the megatron backend: {'; '.join(problems)}",
+            f"use a {'/'.join(MODEL_FAMILY)} model with plain RoPE, or set "
+            f"{role}.megatron_cfg.enabled=false (the torch backend builds any causal LM)",
+        )
+    ]

@@ -34,15 +34,13 @@ def default_config_path() -> Path:
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
+    *path, last = key.split(".")
     node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[parts[-1]] = value
+    for part in path:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
 
 
 def apply_overrides(
@@ -53,25 +51,13 @@ def apply_overrides(
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-")
         if not sep and item.lower().endswith((".yaml", ".yml")):
-            problems.append(
-                ConfigProblem(
-                    key="--config",
-                    value=item,
-                    message="a config file given as an override (overrides look like "
-                    "section.key=value)",
-                    fix=f"pass it as --config {item}",
-                )
-            )
+            why = "a config file given as an override (overrides look like section.key=value)"
+            problems.append(ConfigProblem("--config", item, why, f"pass it as --config {item}"))
             continue
         if not sep or not key or any(not p for p in key.split(".")):
-            problems.append(
-                ConfigProblem(
-                    key=key or item,
-                    value=item,
-                    message="an override must look like section.key=value",
-                    fix="write it as e.g. ppo.num_prompts_per_step=256",
-                )
-            )
+            why = "an override must look like section.key=value"
+            fix = "write it as e.g. ppo.num_prompts_per_step=256"
+            problems.append(ConfigProblem(key or item, item, why, fix))
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
@@ -169,11 +155,8 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, problems: list[Co
             if value is None:
                 continue
             if not isinstance(value, Mapping):
-                problems.append(
-                    ConfigProblem(
-                        dotted, value, "expected a section (mapping)", f"write {dotted}: {{...}}"
-                    )
-                )
+                fix = f"write {dotted}: {{...}}"
+                problems.append(ConfigProblem(dotted, value, "expected a section (mapping)", fix))
                 continue
             kwargs[key] = _build(tp, value, f"{dotted}.", problems)  # type: ignore[arg-type]
             continue

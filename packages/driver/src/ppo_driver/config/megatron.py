@@ -1,6 +1,7 @@
 """The Megatron backend in ``validate``: its option and mesh rules as the trainer states
-them (``ppo_trainer.option_problems`` / ``mesh_problems``, no megatron import), the
-checkpoint family, and what spans both models (one backend, one layout).
+them (``ppo_trainer.option_problems`` / ``mesh_problems``, no megatron import; the
+checkpoint family is ``_model_rules``'), and what spans both models (one backend, one
+layout).
 """
 
 from __future__ import annotations
@@ -10,11 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ppo_trainer import (
-    get_backend,
-    mesh_problems,
-    option_problems,
-)
+from ppo_trainer import get_backend, mesh_problems, option_problems
 
 from ppo_driver import _model_rules
 from ppo_driver.config.packages import (
@@ -52,7 +49,7 @@ def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> bool:
     mesh_ok = True
     for role in enabled:
         if why is None:
-            _check_megatron_model(r, cfg, role)
+            r.add(_model_rules.megatron_model_problems(cfg, role))
         # ppo_trainer.option_problems: the rules parse_options and the backend's set-up
         # apply, on the backend_options train passes (te None: the extra is missing)
         p = f"{role}.megatron_cfg"
@@ -63,30 +60,6 @@ def _check_megatron(r: ValidationReport, cfg: DriverConfig) -> bool:
         mesh_ok &= _check_mesh(r, cfg, role)
     _check_megatron_pair(r, cfg)
     return mesh_ok
-
-
-def _check_megatron_model(r: ValidationReport, cfg: DriverConfig, role: Role) -> None:
-    """The checkpoint ``role`` is built from is one the megatron backend builds
-    (``ppo_trainer.megatron.model_config_problems``: the Llama / Qwen2 family with plain
-    RoPE); the built-in tiny model always is."""
-    from ppo_trainer.megatron import MODEL_FAMILY, model_config_problems  # lazy: the extra
-
-    source = model_path(cfg, role)
-    if source is None:
-        return
-    key = f"{role}.model_path" if cfg.model(role).model_path is not None else "policy.model_path"
-    try:
-        problems = model_config_problems(_model_rules.hf_config(source))
-    except Exception:  # an unreadable directory: reported by _check_model_dirs
-        return
-    if problems:
-        r.error(
-            key,
-            source,
-            f"the {role}'s model cannot be built by the megatron backend: {'; '.join(problems)}",
-            f"use a {'/'.join(MODEL_FAMILY)} model with plain RoPE, or set "
-            f"{role}.megatron_cfg.enabled=false (the torch backend builds any causal LM)",
-        )
 
 
 def _megatron_import_error() -> str | None:

@@ -7,24 +7,20 @@ and the tables that name each package field by its YAML key when the package ref
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ppo_placement import (
     Layout,
+    LayoutProblem,
     check_streaming_layout,
     layout_problems,
     placement_layout,
     streaming_layout_problems,
 )
-from ppo_sampler import SamplerConfig
-from ppo_trainer import (
-    ActorConfig,
-    CriticConfig,
-    ModelSpec,
-)
+from ppo_sampler import SamplerConfig, SamplerProblem
+from ppo_trainer import ActorConfig, CriticConfig, MegatronProblem, ModelSpec, TrainerProblem
 
 from ppo_driver.config.problems import ValidationReport
 from ppo_driver.config.schema import DriverConfig, MegatronCfg, Role
@@ -190,19 +186,9 @@ def _streams(cfg: DriverConfig) -> bool:
     return 1 <= cfg.min_groups < cfg.batch_groups
 
 
-class _PackageProblem(typing.Protocol):
-    """A package's problem record (``SamplerProblem``, ``LayoutProblem``,
-    ``TrainerProblem``, ``MegatronProblem``): its own field name, the value, what is
-    wrong and the fix."""
-
-    @property
-    def field(self) -> str: ...
-    @property
-    def value(self) -> object: ...
-    @property
-    def message(self) -> str: ...
-    @property
-    def fix(self) -> str: ...
+# What every package's problem record carries: its own field name, the value, the
+# message and the fix (MegatronProblem: a severity too).
+_PackageProblem = SamplerProblem | LayoutProblem | TrainerProblem | MegatronProblem
 
 
 def _report(
@@ -219,7 +205,7 @@ def _report(
     for p in problems:
         key = keys.get(p.field, f"{section}.{p.field}")
         fix = (fixes or {}).get(key, p.fix)
-        if getattr(p, "severity", "error") == "warning":
+        if isinstance(p, MegatronProblem) and p.severity == "warning":
             if all(q.key != key for q in r.warnings):
                 r.warn(key, p.value, p.message, fix)
         elif not r.refused(key):

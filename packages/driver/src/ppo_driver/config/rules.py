@@ -1,6 +1,5 @@
 """The driver's own keys (the ranges ``schema`` declares) and the rules across packages
-(the document's streaming rules, dtype and offload vs. backend and device, group
-alignment over the meshes).
+(the document's streaming rules, dtype vs. backend, group alignment over the meshes).
 """
 
 from __future__ import annotations
@@ -9,9 +8,7 @@ import dataclasses
 import math
 
 from ppo_sampler import single_chunk_only
-from ppo_trainer import OFFLOAD_BACKENDS, memory_saver_problem
 
-from ppo_driver import _machine
 from ppo_driver.config.packages import ROLES, _streams
 from ppo_driver.config.problems import ValidationReport, _non_finite_problem, must_be
 from ppo_driver.config.schema import DriverConfig
@@ -29,33 +26,6 @@ def _check_fields(r: ValidationReport, node: object, prefix: str = "") -> None:
             r.errors.append(_non_finite_problem(key, value))
         elif "rule" in f.metadata and value is not None and not f.metadata["ok"](value):
             r.errors.append(must_be(key, value, f.metadata["rule"], f.metadata["example"]))
-
-
-def _check_offload_backend(r: ValidationReport, cfg: DriverConfig) -> None:
-    """``policy/critic.offload_backend`` on this machine's device, as the trainer's
-    backends resolve it (``ppo_trainer.memory_saver_problem``: ``memory_saver`` needs
-    CUDA, torch_memory_saver and the torch backend); ``none`` (offload off, the shared
-    actor/critic report's debugging switch) is warned about. An unknown name is the
-    trainer's config check."""
-    for role in ROLES:
-        m, key = cfg.model(role), f"{role}.offload_backend"
-        if m.offload_backend not in OFFLOAD_BACKENDS or r.refused(key):
-            continue
-        if m.offload_backend == "none":
-            r.warn(
-                key,
-                "none",
-                f"offload is off: the {role} stays on the training devices while the other "
-                "model works, so both models and their optimizer states must fit there "
-                "at once (for debugging offload only)",
-                f"set {key}=auto to time-share the devices",
-            )
-        if m.offload_backend in ("memory_saver", "torch_memory_saver"):
-            device = "cuda" if _machine.cuda_available() else "cpu"
-            backend = "megatron" if m.megatron_cfg.enabled else "torch"
-            problem = memory_saver_problem(device=device, backend=backend, key=key)
-            if problem is not None:
-                r.error(key, m.offload_backend, *problem)
 
 
 def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
@@ -136,32 +106,30 @@ def _check_alignment(r: ValidationReport, cfg: DriverConfig) -> None:
         return
     dp = (cfg.dp_size("policy"), cfg.dp_size("critic"))
     mini = ppo.critic_mini_batch_size
-    if mini > 0 and mini % dp[1]:
-        lo = max(dp[1], mini - mini % dp[1])
-        r.error(
-            "ppo.critic_mini_batch_size",
-            mini,
-            f"not a multiple of the critic's data-parallel size {dp[1]}: each rank trains "
-            "on an equal slice of every global mini-batch",
-            f"set ppo.critic_mini_batch_size to a multiple of {dp[1]}, e.g. {lo} or {lo + dp[1]}",
+    if mini > 0:
+        why = "each rank trains on an equal slice of every global mini-batch"
+        _multiple(
+            r, "ppo.critic_mini_batch_size", mini, dp[1], "the critic's data-parallel size", why
         )
     micro = (cfg.policy.train_micro_batch_size, cfg.critic.train_micro_batch_size)
-    checked = [("ppo.num_prompts_per_step", batch)]
+    why = (
+        f"the groups whose samples split evenly over the data-parallel ranks (policy {dp[0]}, "
+        f"critic {dp[1]}) and micro-batches (policy {micro[0]}, critic {micro[1]}) with "
+        f"{ppo.num_generations_per_prompt} generations per prompt"
+    )
+    _multiple(r, "ppo.num_prompts_per_step", batch, align, "the group alignment", why)
     if minimum <= batch:  # a minimum above the batch is reported as such, not as unaligned
-        checked.append(("async_rl.min_groups_for_streaming_train", minimum))
-    for key, val in checked:
-        if val % align:
-            lo = max(align, val - val % align)
-            r.error(
-                key,
-                val,
-                f"not a multiple of the group alignment {align} (the groups whose samples "
-                f"split evenly over the data-parallel ranks (policy {dp[0]}, critic {dp[1]}) "
-                f"and micro-batches (policy {micro[0]}, critic {micro[1]}) with "
-                f"{ppo.num_generations_per_prompt} generations per prompt)",
-                f"set {key} to a multiple of {align}, e.g. {lo} or {lo + align}",
-            )
+        key = "async_rl.min_groups_for_streaming_train"
+        _multiple(r, key, minimum, align, "the group alignment", why)
     _warn_single_chunk(r, cfg, align)
+
+
+def _multiple(r: ValidationReport, key: str, value: int, n: int, what: str, why: str) -> None:
+    """``key`` must be a multiple of ``n`` (``what``, ``why`` it must)."""
+    if value % n:
+        lo = max(n, value - value % n)
+        fix = f"set {key} to a multiple of {n}, e.g. {lo} or {lo + n}"
+        r.error(key, value, f"not a multiple of {what} {n}: {why}", fix)
 
 
 def _warn_single_chunk(r: ValidationReport, cfg: DriverConfig, align: int) -> None:

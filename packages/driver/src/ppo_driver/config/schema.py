@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from ppo_sampler import group_alignment
-from ppo_trainer import (
-    data_parallel_size,
-)
+from ppo_trainer import data_parallel_size
 
 Role = Literal["policy", "actor", "critic"]
 """A trained model: ``policy`` (its YAML section; ``actor`` is the same model) or ``critic``."""
@@ -271,17 +269,11 @@ class DriverConfig(_Section):
         return mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
 
     def dp_size(self, role: Role) -> int:
-        """Data-parallel size of ``role``'s model: ``cluster.actor_gpus / (tp * pp)``.
-
-        Both models run one rank per training GPU (the critic reuses the actor's
-        placement bundles); ranks of one tensor x pipeline group see the same rows, so
-        rows (and chunks) split over this many ranks only. ``tp = pp = 1`` with plain
-        torch, where this is ``cluster.actor_gpus``.
-
-        Raises:
-            ValueError: naming the key, when ``tp * pp`` does not divide
-                ``cluster.actor_gpus`` or a size is below 1 (``validate`` reports it).
-        """
+        """Data-parallel size of ``role``'s model: ``cluster.actor_gpus / (tp * pp)``
+        (one rank per training GPU for both models; ranks of one tensor x pipeline group
+        see the same rows, so rows and chunks split over this many ranks only).
+        ``ValueError`` naming the key when ``tp * pp`` does not divide
+        ``cluster.actor_gpus`` or a size is below 1 (``validate`` reports it)."""
         tp, pp = self.model_parallel_sizes(role)
         gpus = self.cluster.actor_gpus
         if gpus < 1:

@@ -16,7 +16,6 @@ from ppo_driver.config.rules import (
     _check_colocated_lookahead,
     _check_dtype,
     _check_fields,
-    _check_offload_backend,
     _check_rules,
 )
 from ppo_driver.config.schema import DriverConfig
@@ -32,21 +31,14 @@ def validated(cfg: DriverConfig | ValidConfig) -> ValidConfig:
 
 
 def validate(cfg: DriverConfig) -> ValidationReport:
-    """Every value the trainer, the sampler, the placement or the engines would refuse.
+    """Every value the trainer, the sampler, the placement or the engines would refuse,
+    and every rule across them; all problems at once, before Ray starts; never raises.
 
-    Asks each package's own rules, as data, with the values ``train`` builds its configs
-    from (``ppo_sampler.SamplerConfig.problems``, ``ppo_trainer.ModelSpec`` /
-    ``ActorConfig`` / ``CriticConfig.problems``, ``ppo_trainer.option_problems`` and
-    ``mesh_problems`` for the Megatron backend, ``ppo_placement.layout_problems``) and
-    reports each refused field under the YAML key the tables (:data:`SAMPLER_KEYS`,
-    :func:`trainer_keys`, :data:`LAYOUT_KEYS`) map it to. The driver adds the keys no
-    package reads and the rules across packages: the streaming rules of the document, one
-    layout for both models, group alignment over each model's data-parallel size, the
-    optional extras, the model / data files and the reward function (imported here). The
-    rules of the engines, the workload and the machine live with them
-    (``ppo_driver.rollout._engine_rules``, ``ppo_driver.workload``,
-    ``ppo_driver._machine_rules``); this only asks them.
-    Runs before Ray starts and returns all problems at once; never raises.
+    Each package's own rules are asked, as data, with the values ``train`` builds its
+    configs from, and each refused field is reported under the YAML key the tables
+    (:data:`SAMPLER_KEYS`, :func:`trainer_keys`, :data:`LAYOUT_KEYS`) map it to. The
+    engines, the workload, the model directories and the machine state their own rules
+    (``rollout._engine_rules``, ``workload``, ``_model_rules``, ``_machine_rules``).
     """
     from ppo_driver.rollout._engine_rules import engine_problems  # lazy: loads the engines
 
@@ -55,7 +47,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     _check_sampler(r, cfg)
     _check_rules(r, cfg)
     _check_trainer(r, cfg)
-    _check_offload_backend(r, cfg)
+    r.add(_machine_rules.offload_problems(cfg, refused={p.key for p in r.errors}))
     _check_dtype(r, cfg)
     mesh_ok = _check_megatron(r, cfg)
     _check_layout(r, cfg)
