@@ -163,8 +163,7 @@ def train(
     before anything starts), so the Python API gets the CLI's refusals.
     """
     t_run = time.perf_counter()
-    valid = validated(config)
-    cfg = valid.config
+    cfg = validated(config).config
     fail_at = parse_fail_at(fail_at if fail_at is not None else os.environ.get(FAIL_ENV))
     if resume and overwrite:
         raise StartupError("--resume and --overwrite exclude each other: choose one")
@@ -181,7 +180,6 @@ def train(
             run=lambda latest, inputs: _run(
                 cfg, run_dir=run_dir, inputs=inputs, latest=latest, fail_at=fail_at,
                 on_step=on_step, keep_ray=keep_ray, guard=guard, t_run=t_run,
-                workload=valid.workload,
             ),
         )  # fmt: skip
     except BaseException as exc:
@@ -263,7 +261,6 @@ def _run(
     keep_ray: bool,
     guard: _SignalGuard,
     t_run: float,
-    workload: Workload | None,
 ) -> RunResult:
     """Build (cluster, worker groups, engines, data) -> start the models one at a time
     (and resume) -> the step loop -> teardown (of whatever was built, however the run
@@ -289,9 +286,8 @@ def _run(
     with cleanup:
         try:
             built = _build(
-                cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit,
-                workload=workload,
-            )  # fmt: skip
+                cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit
+            )
             built.inputs = inputs
             guard.install()  # ray.init replaced the SIGTERM handler with its own
             resumed_from = _start(built, latest=latest, t_run=t_run)
@@ -322,13 +318,11 @@ def _build(
     fail_at: str | None,
     keep_ray: bool,
     on_exit: OnExit,
-    workload: Workload | None = None,
 ) -> _Built:
     """The cluster, the shared placement, the worker processes (models not built yet),
-    the engines, the data (``workload``: the one ``validate`` loaded) and the pump."""
+    the engines, the data and the pump."""
     t0 = time.perf_counter()
-    if workload is None:  # before Ray: data, tokenizer and reward errors stop here
-        workload = load_workload(cfg)
+    workload = load_workload(cfg)  # before Ray: data, tokenizer and reward errors stop here
     layout = cluster_layout(cfg)
     _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
     log.info("start-up: Ray up after %.1f s", time.perf_counter() - t0)
