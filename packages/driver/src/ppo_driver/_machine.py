@@ -1,9 +1,9 @@
 """What this machine offers: importable packages, CUDA devices, the local cluster's CPUs.
 
 The rules in ``validate`` read them through this module (``_machine_rules``,
-``rollout._engine_rules``, ``config.rules``), so a test stands in for a missing package
-or device by patching :func:`module_available` or :func:`cuda_available` here. No
-runtime import of ``ppo_driver.config``: ``ppo_driver.config`` re-exports two of these.
+``rollout._engine_rules``), so a test stands in for a missing package or device by
+patching :func:`module_available` or :func:`cuda_available` here. No runtime import of
+``ppo_driver.config``: ``ppo_driver.config`` re-exports two of these.
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ from ppo_driver.rollout import (
     repeat_reward,
     synthetic_records,
 )
+from ppo_driver.rollout._task import MAX_COUNT
 
 __all__ = [
+    "BUILTIN_MAX_COUNT",
     "BUILTIN_PROMPTS",
-    "TASK_OPTIONS",
     "Workload",
     "WorkloadCheck",
     "check_workload",
@@ -82,8 +83,9 @@ def load_workload(cfg: DriverConfig) -> Workload:
     return check.workload
 
 
-TASK_OPTIONS = {"max_count": "an integer in [1, 99]"}
-"""``rollout.extra``: the built-in task's options (``synthetic_records``) and their rule."""
+BUILTIN_MAX_COUNT = 8
+"""The built-in task's largest count, unless ``rollout.extra.max_count`` (its only option,
+at most ``rollout._task.MAX_COUNT``) says otherwise."""
 
 
 @dataclass
@@ -122,7 +124,7 @@ def _assemble(
     there is no ``rollout.dataset_path``, the held-out ones only with ``run.eval_every``."""
     ro = cfg.rollout
     if ro.dataset_path is None:
-        max_count = int(ro.extra.get("max_count", 8))
+        max_count = int(ro.extra.get("max_count", BUILTIN_MAX_COUNT))
         records = synthetic_records(
             num_prompts=BUILTIN_PROMPTS, seed=cfg.run.seed, max_count=max_count
         )
@@ -229,12 +231,12 @@ def eval_schedule_problems(cfg: DriverConfig) -> list[ConfigProblem]:
 
 
 def task_option_problems(cfg: DriverConfig) -> list[ConfigProblem]:
-    """``rollout.extra``: the built-in task's options only (:data:`TASK_OPTIONS`), and
-    only for the built-in task; JSONL data needs a reward of its own."""
+    """``rollout.extra``: the built-in task's option ``max_count`` only, and only for the
+    built-in task; JSONL data needs a reward of its own."""
     ro, out = cfg.rollout, []
     for name, value in ro.extra.items():
         key = f"rollout.extra.{name}"
-        if name not in TASK_OPTIONS:
+        if name != "max_count":
             out.append(
                 ConfigProblem(
                     key,
@@ -244,8 +246,8 @@ def task_option_problems(cfg: DriverConfig) -> list[ConfigProblem]:
                     f"remove {key}",
                 )
             )
-        elif not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 99):
-            out.append(must_be(key, value, TASK_OPTIONS[name], 8))
+        elif isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+            out.append(must_be(key, value, f"an integer in [1, {MAX_COUNT}]", BUILTIN_MAX_COUNT))
         elif ro.dataset_path is not None:
             out.append(
                 ConfigProblem(
