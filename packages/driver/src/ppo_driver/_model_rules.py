@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
 
 import transformers
 
@@ -35,7 +34,7 @@ def _hf_config_read(source: str, mtime_ns: int, size: int) -> transformers.Pretr
     return config
 
 
-def read_model_dir(key: str, path: str) -> tuple[ConfigProblem | None, dict[str, Any] | None]:
+def read_model_dir(key: str, path: str) -> tuple[ConfigProblem | None, dict[str, object] | None]:
     """The config.json of the model directory ``path`` (``key``: its YAML key), or the
     problem that refuses it: missing, no config.json, not JSON, no safetensors weights,
     a config transformers cannot read."""
@@ -77,12 +76,12 @@ def read_model_dir(key: str, path: str) -> tuple[ConfigProblem | None, dict[str,
     return None, hf
 
 
-def check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict[str, Any]]:
+def check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict[str, object]]:
     """Each ``model_path`` given: a directory with ``config.json`` (a JSON object) and
     ``*.safetensors`` weights. Returns the config.json of each role whose model comes
     from a directory (the critic's may be the policy's); sizes set beside a
     ``model_path`` are warned about (the checkpoint's config.json decides them)."""
-    configs: dict[str, dict[str, Any]] = {}
+    configs: dict[str, dict[str, object]] = {}
     for role in ROLES:
         path = getattr(cfg, role).model_path
         if path is not None:
@@ -91,7 +90,7 @@ def check_model_dirs(r: ValidationReport, cfg: DriverConfig) -> dict[Role, dict[
                 r.errors.append(problem)
             elif hf is not None:
                 configs[role] = hf
-    out: dict[Role, dict[str, Any]] = {}
+    out: dict[Role, dict[str, object]] = {}
     for role in ROLES:
         own = getattr(cfg, role).model_path
         source: Role = role if own is not None or role != "critic" else "policy"

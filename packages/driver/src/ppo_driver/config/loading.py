@@ -33,7 +33,7 @@ def default_config_path() -> Path:
     return Path(str(resources.files("ppo_driver").joinpath("configs/default.yaml")))
 
 
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, Any], key: str, value: object) -> None:
     *path, last = key.split(".")
     node = tree
     for part in path:

@@ -223,10 +223,10 @@ def _check_sampler(r: ValidationReport, cfg: DriverConfig) -> None:
 def _check_trainer(r: ValidationReport, cfg: DriverConfig) -> None:
     """``ppo_trainer``'s ``ModelSpec``, ``ActorConfig`` and ``CriticConfig``: the very
     fields ``train`` builds them from (:func:`trainer_configs`), problems by YAML key."""
+    vocab = _builtin_vocab_size()
     for role in ROLES:
         cls = CriticConfig if role == "critic" else ActorConfig
         per_rank = _samples_per_rank(cfg, role, guess=True)
-        vocab = _builtin_vocab_size()
         spec, kwargs = _trainer_kwargs(cfg, role, vocab_size=vocab, samples_per_rank=per_rank)
         keys, section = trainer_keys(role), _section(role)
         who = "ppo_trainer.{} refuses it ({{}})"

@@ -7,7 +7,7 @@ fit each vocabulary, each prompt fits each context.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ppo_driver import _model_rules
 from ppo_driver.config.packages import ROLES
@@ -36,7 +36,7 @@ def _check_files(r: ValidationReport, cfg: DriverConfig) -> None:
 def _check_vocabularies(
     r: ValidationReport,
     cfg: DriverConfig,
-    shapes: Mapping[Role, Mapping[str, Any]],
+    shapes: Mapping[Role, Mapping[str, object]],
     tokenizer: Tokenizer,
 ) -> None:
     """The tokenizer's ids fit each checkpoint's vocabulary (config.json ``vocab_size``)."""

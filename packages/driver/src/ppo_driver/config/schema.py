@@ -28,7 +28,7 @@ RANGES: dict[str, Callable[[Any], bool]] = {
 """The declared ranges of :func:`bounded` fields, by the words ``validate`` reports."""
 
 
-def bounded(default: T, rule: str, *, choices: tuple[str, ...] = (), example: Any = None) -> T:
+def bounded(default: T, rule: str, *, choices: tuple[str, ...] = (), example: object = None) -> T:
     """A field of a key no package reads, with its rule declared here: a value outside
     ``rule`` (a :data:`RANGES` key, or the ``choices`` in words) is refused by ``validate``
     under its YAML key (fix: ``e.g. example``). A null value is not checked."""
@@ -40,7 +40,7 @@ class _Section:
     """Base of the sections: one that :func:`freeze` froze refuses every assignment (the
     config inside a ``ValidConfig``); a plain ``DriverConfig`` stays editable."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if self.__dict__.get("_frozen", False):
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign {type(self).__name__}.{name}: a validated config is frozen "
