@@ -232,8 +232,17 @@ def test_kill_mid_update_and_between_steps_then_resume(
     assert got_state["rollout"]["next_prompt"] == ref_state["rollout"]["next_prompt"]
 
 
-def test_minimum_that_cannot_leave_the_tail_floor_runs_one_chunk(tmp_path: Path) -> None:
-    """Batch 16, minimum 11: streaming rules apply, yet every step is one chunk."""
+def test_minimum_that_cannot_leave_the_tail_floor_runs_one_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 16, minimum 11: streaming rules apply, yet every step is one chunk. The data
+    and tokenizer are loaded once, by validate: the run takes that workload and never
+    loads its own."""
+
+    def load_again(cfg: DriverConfig) -> None:
+        raise AssertionError("train loaded the workload a second time")
+
+    monkeypatch.setattr("ppo_driver.run.load_workload", load_again)
     handler = _ListHandler()
     logging.getLogger("ppo_driver").addHandler(handler)
     try:

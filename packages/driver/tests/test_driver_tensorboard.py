@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from driver_testlib import TINY_RUN
-from ppo_driver.config import engines as config_mod
+from ppo_driver import _machine as config_mod
 from ppo_driver.config import load_config
 from ppo_driver.metrics import TENSORBOARD_DIR, MetricsWriter, read_metrics
 
@@ -98,9 +98,9 @@ def test_resume_purges_the_steps_trained_again(tmp_path: Path) -> None:
 
 
 def test_validate_refuses_tensorboard_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = config_mod._module_available
+    real = config_mod.module_available
     monkeypatch.setattr(
-        config_mod, "_module_available", lambda name: name != "tensorboard" and real(name)
+        config_mod, "module_available", lambda name: name != "tensorboard" and real(name)
     )
     _, report = load_config(None, ["run.tensorboard=true"], check=False)
     assert len(report.errors) == 1, report.errors

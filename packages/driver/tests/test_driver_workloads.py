@@ -21,7 +21,13 @@ from typing import Any
 import pytest
 import torch
 from ppo_driver.cli import main
-from ppo_driver.config import ConfigProblem, load_config, model_path, trainer_configs
+from ppo_driver.config import (
+    ConfigError,
+    ConfigProblem,
+    load_config,
+    model_path,
+    trainer_configs,
+)
 from ppo_driver.rollout import (
     DataError,
     GroupOutput,
@@ -135,6 +141,24 @@ def test_train_builds_the_workload_from_the_model_directory(files: dict[str, Pat
     actor, critic = trainer_configs(cfg, vocab_size=tok.vocab_size)
     assert actor.model.path == critic.model.path == str(files["model"].absolute())
     assert model_path(cfg, "critic") == model_path(cfg, "policy")
+
+
+def test_validate_keeps_the_workload_it_loaded_for_train(
+    files: dict[str, Path], broken: dict[str, Path]
+) -> None:
+    # validate reads the tokenizer, the data and the reward once, with load_workload's
+    # code (check_workload), and the ValidConfig carries them to train
+    cfg, report = load_config(None, workload_overrides(files))
+    work = report.valid().workload
+    assert work is not None and isinstance(work.tokenizer, HFTokenizer)
+    assert work.dataset.records == load_workload(cfg).dataset.records
+    assert work.eval_dataset is not None and work.reward_fn is not None
+    # a refused workload: no workload kept; load_workload raises every problem by key
+    bad = [*workload_overrides(files), f"rollout.dataset_path={broken['bad_json']}"]
+    cfg, report = load_config(None, bad, check=False)
+    assert report.workload is None
+    with pytest.raises(ConfigError, match=r"rollout\.dataset_path=.*bad_json\.jsonl:3"):
+        load_workload(cfg)
 
 
 def test_without_chat_template_the_prompt_is_encoded_as_is(files: dict[str, Path]) -> None:

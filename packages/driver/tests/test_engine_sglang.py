@@ -573,14 +573,14 @@ def test_tiny_model_is_written_for_sglang(tmp_path: Path, fake_sglang: None) -> 
 def _engine_problems(
     monkeypatch: pytest.MonkeyPatch, *overrides: str, sglang: bool, cuda: bool
 ) -> list[Any]:
-    from ppo_driver.config import engines as config_mod
+    from ppo_driver import _machine as config_mod
     from ppo_driver.config import load_config
 
-    real = config_mod._module_available
+    real = config_mod.module_available
     monkeypatch.setattr(
-        config_mod, "_module_available", lambda name: sglang if name == "sglang" else real(name)
+        config_mod, "module_available", lambda name: sglang if name == "sglang" else real(name)
     )
-    monkeypatch.setattr(config_mod, "_cuda_available", lambda: cuda)
+    monkeypatch.setattr(config_mod, "cuda_available", lambda: cuda)
     _, report = load_config(None, list(overrides), check=False)
     return report.errors
 
@@ -673,12 +673,12 @@ def _fake_msgspec(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 def _kwargs_problems(monkeypatch: pytest.MonkeyPatch, kwargs: str) -> list[Any]:
-    from ppo_driver.config import engines as config_mod
+    from ppo_driver import _machine as config_mod
 
-    real = config_mod._module_available
+    real = config_mod.module_available
     monkeypatch.setattr(
         config_mod,
-        "_module_available",
+        "module_available",
         lambda name: True if name in ("sglang", "msgspec") else real(name),
     )
     return _engine_problems(

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the real types of the lazy names, for type checkers
     from ppo_driver.trace import TraceRecorder
     from ppo_driver.workers import TrainGroup, WorkerLost
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 _LAZY = {
     "ConfigError": "ppo_driver.config",
@@ -53,7 +53,7 @@ _LAZY = {
     "validated": "ppo_driver.config",
     "ChunkGate": "ppo_driver.pump",
     "InjectedFailure": "ppo_driver.pump",
-    "NonFiniteError": "ppo_driver.pump",
+    "NonFiniteError": "ppo_driver.metrics",
     "RunStopped": "ppo_driver.run",
     "RunFailed": "ppo_driver.run",
     "StartupError": "ppo_driver.startup",

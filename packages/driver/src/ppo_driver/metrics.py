@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -15,7 +15,9 @@ from ppo_driver._json import JSONObject, as_float, as_int
 __all__ = [
     "TENSORBOARD_DIR",
     "MetricsWriter",
+    "NonFiniteError",
     "TensorBoardWriter",
+    "check_finite_metrics",
     "format_step_line",
     "plot_rewards",
     "read_metrics",
@@ -185,3 +187,30 @@ def plot_rewards(
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+class NonFiniteError(FloatingPointError):
+    """A step produced a non-finite loss, gradient norm or metric; the step is not
+    recorded or checkpointed (the workers refuse the optimizer step itself)."""
+
+    def __init__(self, step: int, detail: str) -> None:
+        self.step = step
+        super().__init__(f"step {step}: {detail}")
+
+
+def check_finite_metrics(step: int, metrics: Mapping[str, object]) -> None:
+    """Refuse a step whose numbers are not all finite (a NaN or inf is never dropped or
+    written as a gap): raises :class:`NonFiniteError` naming the step and every key
+    (list values, e.g. per-chunk numbers, are checked element by element)."""
+    bad = {k: v for k, v in _numbers(metrics) if not math.isfinite(v)}
+    if bad:
+        listed = ", ".join(f"{k} = {v!r}" for k, v in sorted(bad.items()))
+        raise NonFiniteError(step, f"non-finite metric(s): {listed}; the step is not recorded")
+
+
+def _numbers(metrics: Mapping[str, object]) -> Iterator[tuple[str, float]]:
+    for k, v in metrics.items():
+        values = v if isinstance(v, list) else [v]
+        for i, x in enumerate(values):
+            if isinstance(x, int | float) and not isinstance(x, bool):
+                yield (k if len(values) == 1 and not isinstance(v, list) else f"{k}[{i}]"), x

@@ -43,9 +43,8 @@ Log lines (the document's way to verify chunking), for every chunk and every ste
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +56,7 @@ from ppo_trainer import Moments, gae, masked_moments, masked_whiten, whiten_with
 
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.config import DriverConfig
+from ppo_driver.metrics import NonFiniteError, check_finite_metrics
 from ppo_driver.pair import TrainPair
 from ppo_driver.trace import TraceRecorder
 from ppo_driver.workers import Rows, mini_batch_order
@@ -77,15 +77,6 @@ log = logging.getLogger("ppo_driver.pump")
 
 class InjectedFailure(RuntimeError):
     """Raised at a named point when a test asks the pump to crash there."""
-
-
-class NonFiniteError(FloatingPointError):
-    """A step produced a non-finite loss, gradient norm or metric; the step is not
-    recorded or checkpointed (the workers refuse the optimizer step itself)."""
-
-    def __init__(self, step: int, detail: str) -> None:
-        self.step = step
-        super().__init__(f"step {step}: {detail}")
 
 
 class ChunkGate:
@@ -687,21 +678,3 @@ def _moments(valid: Sequence[torch.Tensor]) -> Moments:
     (the chunks' concatenation: the same numbers in the same order as one full batch)."""
     values = torch.cat(list(valid))[None] if valid else torch.zeros(1, 0)
     return masked_moments(values=values, mask=torch.ones_like(values))
-
-
-def check_finite_metrics(step: int, metrics: Mapping[str, object]) -> None:
-    """Refuse a step whose numbers are not all finite (a NaN or inf is never dropped or
-    written as a gap): raises :class:`NonFiniteError` naming the step and every key
-    (list values, e.g. per-chunk numbers, are checked element by element)."""
-    bad = {k: v for k, v in _numbers(metrics) if not math.isfinite(v)}
-    if bad:
-        listed = ", ".join(f"{k} = {v!r}" for k, v in sorted(bad.items()))
-        raise NonFiniteError(step, f"non-finite metric(s): {listed}; the step is not recorded")
-
-
-def _numbers(metrics: Mapping[str, object]) -> Iterator[tuple[str, float]]:
-    for k, v in metrics.items():
-        values = v if isinstance(v, list) else [v]
-        for i, x in enumerate(values):
-            if isinstance(x, int | float) and not isinstance(x, bool):
-                yield (k if len(values) == 1 and not isinstance(v, list) else f"{k}[{i}]"), x

@@ -156,14 +156,13 @@ def train(
     ``fail_at="<step>:<point>"`` (or the ``PPO_DRIVER_FAIL_AT`` environment variable)
     raises :class:`~ppo_driver.pump.InjectedFailure` at a named point: ``after_chunks``,
     ``after_policy_update``, ``before_critic``, ``after_step`` or ``checkpoint``.
-    ``keep_ray`` leaves the Ray cluster up (tests share one per module).
-
-    ``config``: a :class:`~ppo_driver.config.ValidConfig`, or a ``DriverConfig`` that is
-    validated here first (:class:`~ppo_driver.config.ConfigError` with every problem,
-    before anything starts), so the Python API gets the CLI's refusals.
+    ``keep_ray`` leaves the Ray cluster up (tests share one per module). A ``DriverConfig``
+    is validated first (:class:`~ppo_driver.config.ConfigError` with every problem before
+    anything starts): the Python API gets the CLI's refusals.
     """
     t_run = time.perf_counter()
-    cfg = validated(config).config
+    valid = validated(config)
+    cfg = valid.config
     fail_at = parse_fail_at(fail_at if fail_at is not None else os.environ.get(FAIL_ENV))
     if resume and overwrite:
         raise StartupError("--resume and --overwrite exclude each other: choose one")
@@ -178,7 +177,7 @@ def train(
         return _logged(
             cfg, run_dir=run_dir, resume=resume, removed=removed, guard=guard,
             run=lambda latest, inputs: _run(
-                cfg, run_dir=run_dir, inputs=inputs, latest=latest, fail_at=fail_at,
+                valid, run_dir=run_dir, inputs=inputs, latest=latest, fail_at=fail_at,
                 on_step=on_step, keep_ray=keep_ray, guard=guard, t_run=t_run,
             ),
         )  # fmt: skip
@@ -251,7 +250,7 @@ class _Built:
 
 
 def _run(
-    cfg: DriverConfig,
+    valid: ValidConfig,
     *,
     run_dir: Path,
     inputs: Fingerprints,
@@ -265,6 +264,7 @@ def _run(
     """Build (cluster, worker groups, engines, data) -> start the models one at a time
     (and resume) -> the step loop -> teardown (of whatever was built, however the run
     ends)."""
+    cfg = valid.config
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     torch.manual_seed(cfg.run.seed)
     cleanup = ExitStack()  # teardown, last built first; each step runs even if one fails
@@ -285,9 +285,8 @@ def _run(
     built: _Built | None = None
     with cleanup:
         try:
-            built = _build(
-                cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray, on_exit=on_exit
-            )
+            built = _build(cfg, run_dir=run_dir, fail_at=fail_at, keep_ray=keep_ray,
+                           on_exit=on_exit, workload=valid.workload)  # fmt: skip
             built.inputs = inputs
             guard.install()  # ray.init replaced the SIGTERM handler with its own
             resumed_from = _start(built, latest=latest, t_run=t_run)
@@ -318,11 +317,13 @@ def _build(
     fail_at: str | None,
     keep_ray: bool,
     on_exit: OnExit,
+    workload: Workload | None,
 ) -> _Built:
     """The cluster, the shared placement, the worker processes (models not built yet),
-    the engines, the data and the pump."""
+    the engines, the data (``workload``: the one validate loaded) and the pump."""
     t0 = time.perf_counter()
-    workload = load_workload(cfg)  # before Ray: data, tokenizer and reward errors stop here
+    if workload is None:  # before Ray: data, tokenizer and reward errors stop here
+        workload = load_workload(cfg)
     layout = cluster_layout(cfg)
     _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
     log.info("start-up: Ray up after %.1f s", time.perf_counter() - t0)

@@ -25,7 +25,7 @@ from ppo_placement._ray_join import (
 )
 from ppo_placement._ray_start import LocalRay, RayStartError, shutdown_local_ray, start_local_ray
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Bundle",

@@ -91,7 +91,7 @@ from ppo_trainer._workers import (
     loss_denominator,
 )
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "FP8_RECIPES",

@@ -1,26 +1,18 @@
 """Typed driver configuration: YAML plus dotted overrides, and start-up validation.
 
 The key names follow ``reference/colocated-ppo-streaming.md`` (``ppo.*``, ``async_rl.*``,
-``policy.megatron_cfg.*``). Loading never raises on the first problem: every unknown
-key, every wrong type and every broken rule is collected, so ``ppo-driver validate``
-can report them all at once. Each problem names the key, the value and the fix.
+``policy.megatron_cfg.*``). Every unknown key, wrong type and broken rule is collected,
+each naming the key, the value and the fix, so ``ppo-driver validate`` reports them all.
 
-The packages' typed configs are built HERE, once, from a :class:`DriverConfig`:
-:func:`trainer_configs` (``ppo_trainer.ActorConfig`` / ``CriticConfig``, with the Megatron
-``backend_options``), :func:`sampler_config` (``ppo_sampler.SamplerConfig``) and
-:func:`cluster_layout` (``ppo_placement.Layout``). :func:`validate` asks the packages'
-``problems`` for the very same field values and maps each refused field to its YAML key
-by table; the driver itself only checks the keys no package reads and the rules that
-span packages.
+:mod:`.schema` (the sections and their declared ranges), :mod:`.loading` (YAML and
+overrides), :mod:`.problems` (the report, :class:`ValidConfig`), :mod:`.packages` (one
+table per package from its fields to YAML keys: :func:`trainer_configs`,
+:func:`sampler_config`, :func:`cluster_layout`, and the packages' problems by key),
+:mod:`.rules` (the rules across packages), :mod:`.megatron`, :mod:`.preflight` (the
+workload against the models) and :mod:`.validation`. The rules of the engines, the
+workload, the model directories and the machine live with what they govern."""
 
-One module per concern: :mod:`.schema` (the sections), :mod:`.loading` (YAML and
-overrides), :mod:`.problems` (the report), :mod:`.packages` (the mapping to the packages'
-configs and their problems by YAML key), :mod:`.rules` (the driver's keys and the rules
-across packages), :mod:`.megatron`, :mod:`.preflight` (files, tokenizer, data,
-reward), :mod:`.engines` (cluster, engines, extras) and :mod:`.validation`.
-"""
-
-from ppo_driver.config.engines import cuda_device_count, local_num_cpus
+from ppo_driver._machine import cuda_device_count, local_num_cpus
 from ppo_driver.config.loading import apply_overrides, default_config_path, load_config
 from ppo_driver.config.packages import (
     LAYOUT_KEYS,

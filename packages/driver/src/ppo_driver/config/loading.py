@@ -9,7 +9,7 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,16 +33,14 @@ def default_config_path() -> Path:
     return Path(str(resources.files("ppo_driver").joinpath("configs/default.yaml")))
 
 
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
+def _set_dotted(tree: dict[str, Any], key: str, value: object) -> None:
+    *path, last = key.split(".")
     node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[parts[-1]] = value
+    for part in path:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
 
 
 def apply_overrides(
@@ -53,25 +51,13 @@ def apply_overrides(
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-")
         if not sep and item.lower().endswith((".yaml", ".yml")):
-            problems.append(
-                ConfigProblem(
-                    key="--config",
-                    value=item,
-                    message="a config file given as an override (overrides look like "
-                    "section.key=value)",
-                    fix=f"pass it as --config {item}",
-                )
-            )
+            why = "a config file given as an override (overrides look like section.key=value)"
+            problems.append(ConfigProblem("--config", item, why, f"pass it as --config {item}"))
             continue
         if not sep or not key or any(not p for p in key.split(".")):
-            problems.append(
-                ConfigProblem(
-                    key=key or item,
-                    value=item,
-                    message="an override must look like section.key=value",
-                    fix="write it as e.g. ppo.num_prompts_per_step=256",
-                )
-            )
+            why = "an override must look like section.key=value"
+            fix = "write it as e.g. ppo.num_prompts_per_step=256"
+            problems.append(ConfigProblem(key or item, item, why, fix))
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
@@ -81,75 +67,65 @@ def apply_overrides(
     return tree
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: object) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce_union(
-    args: tuple[Any, ...], value: Any, key: str, problems: list[ConfigProblem]
-) -> Any:
-    """:func:`_coerce` for ``A | B`` (``float | None``: the float's own problem, null allowed)."""
-    if value is None and type(None) in args:
-        return None
-    inner = [a for a in args if a is not type(None)]
-    sub: list[ConfigProblem] = []
-    for candidate in inner:
-        sub.clear()
-        out = _coerce(candidate, value, key, sub)
-        if not sub:
-            return out
-    if len(inner) == 1 and sub:
-        only = sub[0]
-        problems.append(dataclasses.replace(only, fix=f"{only.fix}, or null"))
-        return None
-    problems.append(
-        ConfigProblem(
-            key,
-            value,
-            f"expected {' or '.join(_type_name(a) for a in args)}",
-            f"set {key} to a value of that type",
-        )
-    )
-    return None
+# The YAML values each plain annotation of the schema accepts (a bool is no int here);
+# float is _float's, Any takes anything.
+_ACCEPTS: dict[object, Callable[[object], bool]] = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    dict: lambda v: isinstance(v, dict),
+    Any: lambda v: True,
+}
 
 
-def _coerce(tp: Any, value: Any, key: str, problems: list[ConfigProblem]) -> Any:
+def _float(value: object) -> float | None:
+    """``value`` as a float: a number, or a string (YAML 1.1 reads "2e-4", "nan" as one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _coerce(tp: object, value: object, key: str, problems: list[ConfigProblem]) -> object:
     """Check ``value`` against the annotation ``tp``; record a problem and return None if bad.
 
     Floats must be finite: NaN and infinity are refused here, for every float key of the
-    schema (no range rule downstream has to think about them).
+    schema (no range rule downstream has to think about them). ``A | None``: null, or
+    an ``A`` (the ``A``'s problem, with "or null" in its fix).
     """
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return _coerce_union(typing.get_args(tp), value, key, problems)
-    if origin is dict or tp is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        number: float | None = None
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "2e-4" (and "nan", "inf") as strings
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
-        if number is not None:
-            if math.isfinite(number):
-                return number
-            problems.append(_non_finite_problem(key, value))
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value is None and len(inner) < len(args):
             return None
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is Any:
-        return value
+        sub: list[ConfigProblem] = []
+        for candidate in inner:
+            sub.clear()
+            out = _coerce(candidate, value, key, sub)
+            if not sub:
+                return out
+        if len(inner) == 1:
+            problems.append(dataclasses.replace(sub[0], fix=f"{sub[0].fix}, or null"))
+            return None
+        expected = " or ".join(_type_name(a) for a in args)
+        problems.append(
+            ConfigProblem(key, value, f"expected {expected}", f"set {key} to a value of that type")
+        )
+        return None
+    if tp is float and (number := _float(value)) is not None:
+        if math.isfinite(number):
+            return number
+        problems.append(_non_finite_problem(key, value))
+        return None
+    accepts = _ACCEPTS.get(typing.get_origin(tp) or tp)
+    if accepts is not None and accepts(value):
+        return dict(value) if isinstance(value, dict) else value
     problems.append(
         ConfigProblem(
             key,
@@ -179,11 +155,8 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, problems: list[Co
             if value is None:
                 continue
             if not isinstance(value, Mapping):
-                problems.append(
-                    ConfigProblem(
-                        dotted, value, "expected a section (mapping)", f"write {dotted}: {{...}}"
-                    )
-                )
+                fix = f"write {dotted}: {{...}}"
+                problems.append(ConfigProblem(dotted, value, "expected a section (mapping)", fix))
                 continue
             kwargs[key] = _build(tp, value, f"{dotted}.", problems)  # type: ignore[arg-type]
             continue
@@ -198,6 +171,18 @@ def _file_problem(src: Path, message: str, fix: str) -> ConfigError:
     return ConfigError([ConfigProblem("--config", str(src), message, fix)])
 
 
+def _unreadable(src: Path, exc: OSError) -> tuple[str, str]:
+    """What is wrong with the config file ``src`` that cannot be read, and the fix."""
+    if isinstance(exc, FileNotFoundError):
+        return f"the config file {src} does not exist", "check the path given to --config"
+    if isinstance(exc, IsADirectoryError):
+        return f"{src} is a directory, not a YAML file", "pass the YAML file itself to --config"
+    return (
+        f"cannot read the config file {src} ({exc.strerror or exc})",
+        "make it readable (permissions) or pass another file to --config",
+    )
+
+
 def _read_yaml(src: Path) -> dict[str, Any]:
     """The top-level mapping of the YAML file ``src`` (empty file: ``{}``).
 
@@ -206,26 +191,14 @@ def _read_yaml(src: Path) -> dict[str, Any]:
     """
     try:
         text = src.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise _file_problem(
-            src, f"the config file {src} does not exist", "check the path given to --config"
-        ) from exc
-    except IsADirectoryError as exc:
-        raise _file_problem(
-            src, f"{src} is a directory, not a YAML file", "pass the YAML file itself to --config"
-        ) from exc
+    except OSError as exc:  # FileNotFoundError, IsADirectoryError, PermissionError, ...
+        raise _file_problem(src, *_unreadable(src, exc)) from exc
     except UnicodeDecodeError as exc:
         byte = exc.object[exc.start : exc.start + 1].hex()
         raise _file_problem(
             src,
             f"the config file {src} is not UTF-8 text (byte 0x{byte} at offset {exc.start})",
             "save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 old.yaml > new.yaml`)",
-        ) from exc
-    except OSError as exc:
-        raise _file_problem(
-            src,
-            f"cannot read the config file {src} ({exc.strerror or exc})",
-            "make it readable (permissions) or pass another file to --config",
         ) from exc
     try:
         loaded = yaml.safe_load(text)

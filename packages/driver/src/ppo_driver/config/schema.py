@@ -5,25 +5,42 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from ppo_sampler import group_alignment
-from ppo_trainer import (
-    data_parallel_size,
-)
+from ppo_trainer import data_parallel_size
 
 Role = Literal["policy", "actor", "critic"]
-
-
 """A trained model: ``policy`` (its YAML section; ``actor`` is the same model) or ``critic``."""
+
+T = TypeVar("T")
+
+RANGES: dict[str, Callable[[Any], bool]] = {
+    ">= 1": lambda v: v >= 1,
+    ">= 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    ">= 0 (0: greedy)": lambda v: v >= 0,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+}
+"""The declared ranges of :func:`bounded` fields, by the words ``validate`` reports."""
+
+
+def bounded(default: T, rule: str, *, choices: tuple[str, ...] = (), example: object = None) -> T:
+    """A field of a key no package reads, with its rule declared here: a value outside
+    ``rule`` (a :data:`RANGES` key, or the ``choices`` in words) is refused by ``validate``
+    under its YAML key (fix: ``e.g. example``). A null value is not checked."""
+    ok = choices.__contains__ if choices else RANGES[rule]
+    return field(default=default, metadata={"rule": rule, "ok": ok, "example": example})
 
 
 class _Section:
     """Base of the sections: one that :func:`freeze` froze refuses every assignment (the
     config inside a ``ValidConfig``); a plain ``DriverConfig`` stays editable."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if self.__dict__.get("_frozen", False):
             raise dataclasses.FrozenInstanceError(
                 f"cannot assign {type(self).__name__}.{name}: a validated config is frozen "
@@ -41,6 +58,9 @@ def freeze(section: _Section) -> None:
     object.__setattr__(section, "_frozen", True)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 @dataclass
 class RunConfig(_Section):
     """Run bookkeeping (not from the document)."""
@@ -48,19 +68,20 @@ class RunConfig(_Section):
     name: str = "tiny"
     output_dir: str = "runs"
     seed: int = 0
-    num_steps: int = 100
-    checkpoint_every: int = 25
-    keep_checkpoints: int = 2
+    num_steps: int = bounded(100, ">= 1")
+    checkpoint_every: int = bounded(25, ">= 0")
+    keep_checkpoints: int = bounded(2, ">= 1")
     # Greedy evaluation of rollout.eval_dataset_path after every eval_every-th step (and
     # the last); eval/* in that step's metrics row. 0: off.
-    eval_every: int = 0
+    eval_every: int = bounded(0, ">= 0")
     progress: bool = True
     # TensorBoard event files under <run dir>/tensorboard/ (every numeric metric), besides
     # metrics.jsonl and the console line; needs the extra ppo-driver[tensorboard].
     tensorboard: bool = False
     # Level of the project's loggers (ppo_driver, ppo_trainer, ppo_lifecycle, ...) in
     # train.log, the trainer worker processes' lines included: DEBUG, INFO, WARNING, ERROR.
-    log_level: str = "INFO"
+    log_level: str = bounded("INFO", f"one of {', '.join(LOG_LEVELS)}", choices=LOG_LEVELS,
+                             example="INFO")  # fmt: skip
 
 
 ADV_NORMALIZATIONS = ("previous_step", "chunk")
@@ -74,19 +95,20 @@ class AdvEstimatorConfig(_Section):
     # normalised), so a streamed step learns what a full-batch step learns.
     # chunk (the streaming document's): each chunk with its own statistics (full-batch:
     # the batch's), so the chunk boundaries change the gradients.
-    normalization: str = "previous_step"
-    gamma: float = 1.0
-    lam: float = 0.95
+    normalization: str = bounded("previous_step", " or ".join(ADV_NORMALIZATIONS),
+                                 choices=ADV_NORMALIZATIONS, example="previous_step")  # fmt: skip
+    gamma: float = bounded(1.0, "in [0, 1]")
+    lam: float = bounded(0.95, "in [0, 1]")
 
 
 @dataclass
 class PPOConfig(_Section):
     num_prompts_per_step: int = 64
-    num_generations_per_prompt: int = 4
-    ppo_epochs: int = 4
-    critic_ppo_epochs: int = 2
-    critic_warmup_steps: int = 0
-    critic_mini_batch_size: int = 32
+    num_generations_per_prompt: int = bounded(4, ">= 1")
+    ppo_epochs: int = bounded(4, ">= 1")
+    critic_ppo_epochs: int = bounded(2, ">= 1")
+    critic_warmup_steps: int = bounded(0, ">= 0")
+    critic_mini_batch_size: int = bounded(32, ">= 1")
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     dual_clip: float | None = None
@@ -114,8 +136,8 @@ class AsyncRLConfig(_Section):
     min_groups_for_streaming_train: int = 16
     # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns)
     deterministic_chunks: bool = False
-    max_prompts_in_flight: int = 0  # 0: num_prompts_per_step * (1 + lookahead)
-    poll_interval_s: float = 0.02
+    max_prompts_in_flight: int = bounded(0, ">= 0")  # 0: num_prompts_per_step * (1 + lookahead)
+    poll_interval_s: float = bounded(0.02, "> 0")
     sampler: SamplerCfg = field(default_factory=SamplerCfg)
 
 
@@ -172,7 +194,7 @@ class ClusterConfig(_Section):
     # true: the local cluster declares the layout's GPUs as logical Ray resources (CPU
     # runs); false: it offers the machine's CUDA devices (validate checks there are enough)
     logical_gpus: bool = True
-    num_cpus: int | None = None
+    num_cpus: int | None = bounded(None, ">= 1")
     # null: start a local Ray cluster; "auto" or "host:port": join the existing cluster
     # (`ray start`) at that GCS address, and leave it running at the end.
     address: str | None = None
@@ -190,19 +212,19 @@ class RolloutConfig(_Section):
     # Held-out prompts (JSONL, same prompt_key), evaluated every run.eval_every steps.
     eval_dataset_path: str | None = None
     reward: str | None = None
-    max_new_tokens: int = 12
-    temperature: float = 1.0
-    top_p: float = 1.0
-    num_engines: int = 1
+    max_new_tokens: int = bounded(12, ">= 1")
+    temperature: float = bounded(1.0, ">= 0 (0: greedy)")
+    top_p: float = bounded(1.0, "in (0, 1]", example=1.0)
+    num_engines: int = bounded(1, ">= 1")
     # Seconds each decode step of the embedded engine takes at least (it sleeps what its
     # compute left): emulates a slower generation device on CPU (tests, what-if
     # benchmarks) whose speed does not depend on the trainers' load; 0 in real runs.
-    decode_delay_s: float = 0.0
+    decode_delay_s: float = bounded(0.0, ">= 0")
     # A reward call that takes longer fails its group (0: no limit).
-    reward_timeout_s: float = 60.0
+    reward_timeout_s: float = bounded(60.0, ">= 0")
     # The run stops with the first failure's traceback when this many groups fail in a
     # row (reward raised, timed out, or returned something that is not a real number).
-    max_consecutive_group_failures: int = 32
+    max_consecutive_group_failures: int = bounded(32, ">= 1")
     extra: dict[str, Any] = field(default_factory=dict)
     # The generation engine: "embedded" (plain torch, CPU or GPU) or "sglang" (the extra
     # ppo-driver[sglang], CUDA); engine_kwargs: extra sglang.Engine server arguments.
@@ -247,17 +269,11 @@ class DriverConfig(_Section):
         return mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
 
     def dp_size(self, role: Role) -> int:
-        """Data-parallel size of ``role``'s model: ``cluster.actor_gpus / (tp * pp)``.
-
-        Both models run one rank per training GPU (the critic reuses the actor's
-        placement bundles); ranks of one tensor x pipeline group see the same rows, so
-        rows (and chunks) split over this many ranks only. ``tp = pp = 1`` with plain
-        torch, where this is ``cluster.actor_gpus``.
-
-        Raises:
-            ValueError: naming the key, when ``tp * pp`` does not divide
-                ``cluster.actor_gpus`` or a size is below 1 (``validate`` reports it).
-        """
+        """Data-parallel size of ``role``'s model: ``cluster.actor_gpus / (tp * pp)``
+        (one rank per training GPU for both models; ranks of one tensor x pipeline group
+        see the same rows, so rows and chunks split over this many ranks only).
+        ``ValueError`` naming the key when ``tp * pp`` does not divide
+        ``cluster.actor_gpus`` or a size is below 1 (``validate`` reports it)."""
         tp, pp = self.model_parallel_sizes(role)
         gpus = self.cluster.actor_gpus
         if gpus < 1:

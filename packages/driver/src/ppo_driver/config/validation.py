@@ -6,23 +6,17 @@ from __future__ import annotations
 
 import copy
 
-from ppo_driver.config.engines import (
-    _check_cluster_address,
-    _check_engine,
-    _check_offload_backend,
-    _check_tensorboard,
-)
+from ppo_driver import _machine_rules
 from ppo_driver.config.megatron import _check_megatron
 from ppo_driver.config.packages import _check_layout, _check_sampler, _check_trainer
-from ppo_driver.config.preflight import _check_files, _check_reward
-from ppo_driver.config.problems import ValidationReport, ValidConfig, _non_finite_problem
+from ppo_driver.config.preflight import _check_files
+from ppo_driver.config.problems import ValidationReport, ValidConfig
 from ppo_driver.config.rules import (
     _check_alignment,
     _check_colocated_lookahead,
-    _check_driver_ranges,
     _check_dtype,
+    _check_fields,
     _check_rules,
-    _non_finite,
 )
 from ppo_driver.config.schema import DriverConfig
 
@@ -37,26 +31,23 @@ def validated(cfg: DriverConfig | ValidConfig) -> ValidConfig:
 
 
 def validate(cfg: DriverConfig) -> ValidationReport:
-    """Every value the trainer, the sampler, the placement or the engines would refuse.
+    """Every value the trainer, the sampler, the placement or the engines would refuse,
+    and every rule across them; all problems at once, before Ray starts; never raises.
 
-    Asks each package's own rules, as data, with the values ``train`` builds its configs
-    from (``ppo_sampler.SamplerConfig.problems``, ``ppo_trainer.ModelSpec`` /
-    ``ActorConfig`` / ``CriticConfig.problems``, ``ppo_trainer.option_problems`` and
-    ``mesh_problems`` for the Megatron backend, ``ppo_placement.layout_problems``) and
-    reports each refused field under the YAML key the tables (:data:`SAMPLER_KEYS`,
-    :func:`trainer_keys`, :data:`LAYOUT_KEYS`) map it to. The driver adds the keys no
-    package reads and the rules across packages: the streaming rules of the document, one
-    layout for both models, group alignment over each model's data-parallel size, the
-    optional extras, the model / data files and the reward function (imported here).
-    Runs before Ray starts and returns all problems at once; never raises.
+    Each package's own rules are asked, as data, with the values ``train`` builds its
+    configs from, and each refused field is reported under the YAML key the tables
+    (:data:`SAMPLER_KEYS`, :func:`trainer_keys`, :data:`LAYOUT_KEYS`) map it to. The
+    engines, the workload, the model directories and the machine state their own rules
+    (``rollout._engine_rules``, ``workload``, ``_model_rules``, ``_machine_rules``).
     """
+    from ppo_driver.rollout._engine_rules import engine_problems  # lazy: loads the engines
+
     r = ValidationReport(judged=copy.deepcopy(cfg))
-    r.errors.extend(_non_finite_problem(key, value) for key, value in _non_finite(cfg))
-    _check_driver_ranges(r, cfg)
+    _check_fields(r, cfg)
     _check_sampler(r, cfg)
     _check_rules(r, cfg)
     _check_trainer(r, cfg)
-    _check_offload_backend(r, cfg)
+    r.add(_machine_rules.offload_problems(cfg, refused={p.key for p in r.errors}))
     _check_dtype(r, cfg)
     mesh_ok = _check_megatron(r, cfg)
     _check_layout(r, cfg)
@@ -64,8 +55,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     if mesh_ok:
         _check_alignment(r, cfg)
     _check_files(r, cfg)
-    _check_reward(r, cfg)
-    _check_cluster_address(r, cfg)
-    _check_engine(r, cfg)
-    _check_tensorboard(r, cfg)
+    r.add(_machine_rules.cluster_problems(cfg))
+    r.add(engine_problems(cfg))
+    r.add(_machine_rules.tensorboard_problems(cfg))
     return r

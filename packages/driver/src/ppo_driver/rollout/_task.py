@@ -67,13 +67,17 @@ def repeat_reward(*, response: str, record: Mapping[str, JSONValue], finish_reas
     return 0.5 * match + 0.3 * length_score + 0.2 * exact
 
 
+MAX_COUNT = 99
+"""The largest ``max_count`` of :func:`synthetic_records` (``rollout.extra.max_count``)."""
+
+
 def synthetic_records(*, num_prompts: int, seed: int, max_count: int = 12) -> list[JSONObject]:
     """``num_prompts`` records ``{"prompt", "char", "count"}`` of the repeat task, counts
     uniform in [1, max_count], reproducible from ``seed``."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts}: use at least 1")
-    if not 1 <= max_count <= 99:
-        raise ValueError(f"max_count={max_count}: use a value in [1, 99]")
+    if not 1 <= max_count <= MAX_COUNT:
+        raise ValueError(f"max_count={max_count}: use a value in [1, {MAX_COUNT}]")
     rng = random.Random(seed)
     out: list[JSONObject] = []
     for _ in range(num_prompts):
