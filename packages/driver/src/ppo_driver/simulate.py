@@ -130,9 +130,7 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
                 "that ppo-driver train wrote (it holds config.yaml and metrics.jsonl)"
             )
     config = yaml.safe_load(config_path.read_text()) or {}
-    rows: list[_StepRow] = [
-        json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()
-    ]
+    rows = _read_rows(metrics_path)
     if not rows:
         raise ValueError(f"--from {run}: metrics.jsonl records no step; let the run finish one")
     missing = [r.get("step") for r in rows if not r.get("rollout/group_len_max")]
@@ -172,6 +170,11 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
         measured_step_s=_mean(used, "perf/step_s"),
         steps_used=len(used),
     )
+
+
+def _read_rows(path: Path) -> list[_StepRow]:
+    """The rows of ``metrics.jsonl``."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _read_trace(path: Path) -> list[TraceEvent]:
