@@ -25,15 +25,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from ppo_trainer import host_bound_tcp_store
 from safetensors.torch import load_file, save_file
-from torch._C._distributed_c10d import Store
 
 from ._types import ActorRef
+
+if TYPE_CHECKING:  # torch.distributed's stubs do not export it
+    from torch._C._distributed_c10d import Store
 
 _log = logging.getLogger(__name__)
 _c10d: Any = dist  # the c10d classes used here are not in torch.distributed's stubs
@@ -115,11 +117,7 @@ class RefitGroup:
 def open_store(*, host: str, world_size: int, timeout_s: float) -> tuple[Store, int]:
     """The master TCP store (rank 0) on a free port of ``host``, listening there only
     (``ppo_trainer.host_bound_tcp_store``); returns (store, port)."""
-    store, port = host_bound_tcp_store(
-        host, 0, world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
-    assert isinstance(store, Store), type(store)  # a torch TCPStore
-    return store, port
+    return host_bound_tcp_store(host, 0, world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def connect_group(
