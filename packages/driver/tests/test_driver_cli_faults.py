@@ -78,9 +78,14 @@ def test_checkpoints_replaced_by_a_file_stops_the_run_naming_it(tmp_path: Path) 
     ``FileExistsError`` traceback."""
     run_dir = tmp_path / "run"
     ckpts, moved = run_dir / "checkpoints", tmp_path / "moved"
-    run = Run("--run-dir", str(run_dir), "--no-progress", *OVERRIDES)
+    # The move must land between checkpoints 1 and 2, not while 2 is written (then its
+    # .partial would move away with the directory). With generation of a step starting
+    # after the previous update (lookahead 0) and 0.1 s per decode step, at least 0.8 s
+    # pass between checkpoint 1 and the end of step 1, on a quiet machine too (this
+    # process sees the log line within 0.2 s).
+    run = Run("--run-dir", str(run_dir), "--no-progress", *OVERRIDES, "rollout.decode_delay_s=0.1")
     try:
-        run.wait_for("train_pump: step 1 chunk 1")  # checkpoint 1 written
+        run.wait_for(f"checkpoint {ckpts / 'step_000001'}")
         ckpts.rename(moved)
         ckpts.write_text("not a directory\n")
         code = run.finish()

@@ -45,7 +45,15 @@ SUBPROCESS_TIMEOUT_S = 600
 # need not.)
 SAMPLES = 8 * 2  # ppo.num_prompts_per_step * ppo.num_generations_per_prompt (TINY_RUN)
 
-OVERRIDES = [f"run.num_steps={NUM_STEPS}", *TINY_RUN, "rollout.max_new_tokens=8"]
+# Responses of up to 24 tokens give the untrained policy a tail (groups finish from a few
+# tokens to the limit) and the decode delay keeps generation running while the pump takes
+# the first chunk, on a quiet machine too: steps close on several chunks.
+OVERRIDES = [
+    f"run.num_steps={NUM_STEPS}",
+    *TINY_RUN,
+    "rollout.max_new_tokens=24",
+    "rollout.decode_delay_s=0.02",
+]
 
 
 def _train(run_dir: Path, *, resume: bool = False, fail_at: str | None = None) -> int:
