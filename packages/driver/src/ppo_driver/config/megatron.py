@@ -167,4 +167,4 @@ def _check_mesh(r: ValidationReport, cfg: DriverConfig, role: Role) -> bool:
         world_size=gpus, tp=tp, pp=pp, prefix=p, world_key="cluster.actor_gpus", **shape
     )
     _report(r, "the Megatron mesh: {} (ppo_trainer.mesh_problems)", problems, {}, p)
-    return min(tp, pp, gpus) >= 1 and gpus % (tp * pp) == 0
+    return not mesh_problems(world_size=gpus, tp=tp, pp=pp)  # dp_size needs only these
