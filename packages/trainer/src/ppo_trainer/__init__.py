@@ -57,6 +57,7 @@ from ppo_trainer._math import (
     masked_sum,
     masked_whiten,
     policy_loss,
+    reward_kl_problem,
     value_loss,
     whiten_with,
 )
@@ -150,6 +151,7 @@ __all__ = [
     "policy_loss",
     "register_backend",
     "resolve_offload_backend",
+    "reward_kl_problem",
     "save_hf_checkpoint",
     "value_loss",
     "whiten_with",

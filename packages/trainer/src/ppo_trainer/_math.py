@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ppo_trainer._config import TrainerProblem
+
 __all__ = [
     "MAX_LOG_RATIO",
     "Moments",
@@ -41,6 +43,7 @@ __all__ = [
     "masked_sum",
     "masked_whiten",
     "policy_loss",
+    "reward_kl_problem",
     "value_loss",
 ]
 
@@ -414,19 +417,30 @@ def value_loss(
     return ValueLoss(v_loss=v_loss, clipfrac=clipfrac)
 
 
-def check_reward_kl(*, kl_coef: float, shared: bool = True) -> None:
-    """Reject reward-level KL (``kl_coef != 0``, folded into the GAE rewards) when the
-    actor and the critic share devices.
+def reward_kl_problem(*, kl_coef: float, shared: bool = True) -> TrainerProblem | None:
+    """Reward-level KL (``kl_coef != 0``, folded into the GAE rewards) when the actor and
+    the critic share devices, as a problem record (``None``: allowed).
 
     In shared mode there is no channel that hands the actor's and reference's
     log-probabilities to the critic, so the critic would train on rewards without the
     KL term while the actor's advantages include it: a silently wrong target. Use the
     KL loss (``kl_loss_coef``) instead.
     """
-    if shared and kl_coef != 0:
-        raise ValueError(
-            f"kl_coef={kl_coef!r} (reward-level KL folded into GAE rewards) is not supported "
-            "when the actor and critic share GPUs: the critic cannot see the KL term and "
-            "would fit the wrong target. Set kl_coef=0 and use the KL loss instead "
-            "(kl_loss_coef > 0 with kl_estimator k1/k2/k3)."
-        )
+    if not shared or kl_coef == 0:
+        return None
+    return TrainerProblem(
+        "kl_coef",
+        kl_coef,
+        "reward-level KL (folded into the GAE rewards) is not supported when the actor "
+        "and critic share GPUs: the critic cannot see the KL term and would fit the "
+        "wrong target",
+        "set kl_coef=0 and use the KL loss instead (kl_loss_coef > 0 with kl_estimator k1/k2/k3)",
+        section="ppo",
+    )
+
+
+def check_reward_kl(*, kl_coef: float, shared: bool = True) -> None:
+    """:func:`reward_kl_problem`, raised as ``ValueError``."""
+    problem = reward_kl_problem(kl_coef=kl_coef, shared=shared)
+    if problem is not None:
+        raise ValueError(f"kl_coef={kl_coef!r}: {problem.message}; {problem.fix}")

@@ -8,8 +8,9 @@ import dataclasses
 import math
 
 from ppo_sampler import single_chunk_only
+from ppo_trainer import reward_kl_problem
 
-from ppo_driver.config.packages import ROLES, _streams
+from ppo_driver.config.packages import ROLES, _report, _streams
 from ppo_driver.config.problems import ValidationReport, _non_finite_problem, must_be
 from ppo_driver.config.schema import DriverConfig
 
@@ -29,16 +30,12 @@ def _check_fields(r: ValidationReport, node: object, prefix: str = "") -> None:
 
 
 def _check_rules(r: ValidationReport, cfg: DriverConfig) -> None:
-    """The document's rules: no reward-level KL (shared actor/critic). Several policy
-    epochs while streaming are the project's extension (the pump's ``train_epochs``)."""
-    if cfg.ppo.kl_coef != 0:
-        r.error(
-            "ppo.kl_coef",
-            cfg.ppo.kl_coef,
-            "reward-level KL (folded into GAE rewards) is not supported when actor and critic "
-            "share devices: the critic cannot fold the actor's log-probs into its targets",
-            "set ppo.kl_coef=0 and use the KL loss instead (ppo.kl_loss_coef > 0)",
-        )
+    """The document's rules: no reward-level KL with a shared actor/critic
+    (``ppo_trainer.reward_kl_problem``). Several policy epochs while streaming are the
+    project's extension (the pump's ``train_epochs``)."""
+    problem = reward_kl_problem(kl_coef=cfg.ppo.kl_coef)
+    fix = "set ppo.kl_coef=0 and use the KL loss instead (ppo.kl_loss_coef > 0)"
+    _report(r, "{}", [problem] if problem else [], {}, "ppo", {"ppo.kl_coef": fix})
 
 
 def _check_dtype(r: ValidationReport, cfg: DriverConfig) -> None:
