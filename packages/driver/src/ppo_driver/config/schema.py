@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from ppo_sampler import group_alignment
-from ppo_trainer import data_parallel_size
+from ppo_trainer import ModelSpec, data_parallel_size
 
 Role = Literal["policy", "actor", "critic"]
 """A trained model: ``policy`` (its YAML section; ``actor`` is the same model) or ``critic``."""
@@ -165,11 +165,12 @@ class ModelConfig(_Section):
     """One trained model (``policy`` or ``critic``)."""
 
     model_path: str | None = None
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    # the tiny model's sizes (no model_path): ppo_trainer.ModelSpec's defaults
+    hidden_size: int = ModelSpec.hidden_size
+    intermediate_size: int = ModelSpec.intermediate_size
+    num_hidden_layers: int = ModelSpec.num_hidden_layers
+    num_attention_heads: int = ModelSpec.num_attention_heads
+    num_key_value_heads: int = ModelSpec.num_key_value_heads
     lr: float = 5e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
