@@ -411,6 +411,20 @@ def host_bound_tcp_store(
     return store, port
 
 
+def group_already_initialised(*, rank: int, world_size: int) -> bool:
+    """Whether this process already holds the default process group; ``ValueError`` when
+    that group's rank or size differ from ``rank`` / ``world_size``."""
+    if not dist.is_initialized():
+        return False
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(
+            f"world_size={world_size}, rank={rank} do not match the process group already "
+            f"initialised in this process (world_size={dist.get_world_size()}, "
+            f"rank={dist.get_rank()}); use one group layout per process"
+        )
+    return True
+
+
 def init_process_group(
     *, rank: int, world_size: int, dist_init_method: str | None, device: torch.device
 ) -> None:
@@ -418,13 +432,7 @@ def init_process_group(
     ``tcp://`` rendezvous listens on its host only (:func:`tcp_rendezvous_store`)."""
     if world_size == 1:
         return
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise ValueError(
-                f"world_size={world_size}, rank={rank} do not match the process group already "
-                f"initialised in this process (world_size={dist.get_world_size()}, "
-                f"rank={dist.get_rank()}); use one group layout per process"
-            )
+    if group_already_initialised(rank=rank, world_size=world_size):
         return
     if dist_init_method is None:
         raise ValueError(

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_trainer._megatron_rules import data_parallel_size
-from ppo_trainer._torch_backend import tcp_rendezvous_store
+from ppo_trainer._torch_backend import group_already_initialised, tcp_rendezvous_store
 from ppo_trainer.megatron._core import model_parallel_cuda_manual_seed, ps
 from ppo_trainer.megatron._options import MegatronOptions
 
@@ -20,13 +20,7 @@ __all__ = ["_init_distributed", "_init_model_parallel"]
 def _init_distributed(
     *, rank: int, world_size: int, dist_init_method: str | None, device: torch.device
 ) -> None:
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise ValueError(
-                f"world_size={world_size}, rank={rank} do not match the process group already "
-                f"initialised in this process (world_size={dist.get_world_size()}, "
-                f"rank={dist.get_rank()}); use one group layout per process"
-            )
+    if group_already_initialised(rank=rank, world_size=world_size):
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world_size == 1 and dist_init_method is None:
