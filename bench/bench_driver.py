@@ -196,9 +196,12 @@ def _ratios(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, str
       forward, the actor's log-prob forward (none while streaming now) and its
       forward/backward, as the workers timed them;
     * overlap efficiency: the fraction of the hideable work that streaming hides,
-      ``(full-batch step - streaming step) / hideable``; hideable = the full-batch
-      step's chunk work (value forward, actor forward/backward, switches) times the
-      share of the samples that streaming trains in non-final chunks.
+      ``(full-batch step - streaming step - dropped) / hideable``; hideable = the
+      full-batch step's epoch-1 chunk work (value forward, switches, the actor's first
+      forward/backward) times the share of the samples that streaming trains in
+      non-final chunks; dropped = the full batch's separate log-prob forward (K > 1
+      policy epochs), which streaming does not run at all, so it is saved outright and
+      not by overlap.
     """
     stream, full = rows["streaming"], rows["full-batch"]
     compute = sum(_mean(stream, f"perf/{p}_s") for p in ("value", "logprob", "backward"))
@@ -206,9 +209,14 @@ def _ratios(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, str
     non_final = statistics.mean(
         1.0 - r["train/chunk_groups"][-1] / sum(r["train/chunk_groups"]) for r in stream
     )
-    full_chunk = _mean(full, "perf/chunk_s")
+    dropped = _mean(full, "perf/logprob_s")
+    # K > 1: the full batch's chunk is the value forward only; its epochs (backward_s:
+    # K forward/backward passes) follow the log-prob forward, epoch 1 is 1/K of them
+    forwards = _mean(full, "train/actor_forwards_per_sample")  # 1 + K with a log-prob pass
+    epoch_one = _mean(full, "perf/backward_s") / (forwards - 1) if dropped > 0 else 0.0
+    full_chunk = _mean(full, "perf/chunk_s") + epoch_one
     hideable = full_chunk * non_final
-    saved = _mean(full, "perf/step_s") - _mean(stream, "perf/step_s")
+    saved = _mean(full, "perf/step_s") - _mean(stream, "perf/step_s") - dropped
     out = [
         (
             "streaming step time / full-batch step time",

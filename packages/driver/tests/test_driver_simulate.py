@@ -21,6 +21,7 @@ import pytest
 from driver_testlib import TINY_RUN
 from ppo_driver.cli import main
 from ppo_driver.simulate import fit_run, simulate_run
+from ppo_driver.trace import TraceEvent
 from ppo_sampler import simulate
 
 RUN = Path(__file__).resolve().parent / "data" / "sim_run"
@@ -152,3 +153,62 @@ def test_generation_speed_comes_from_windows_the_pump_saw_end() -> None:
         event("generation", 3, 6e6, 1e6),  # no wait at all
     ]
     assert _observed_ends(events) == {1}
+
+
+def test_full_batch_fit_takes_epoch_1_and_the_repeats_from_the_trace() -> None:
+    """A full batch's first ``train_chunk`` of a step (epoch 1) and the later ones
+    (epochs 2..K) are fitted apart, as streaming's chunks and ``train_epochs`` are: the
+    means of the trace's calls, per sample."""
+    fit = fit_run(FULL_RUN)
+    steps = {
+        json.loads(x)["step"] for x in (FULL_RUN / "metrics.jsonl").read_text().splitlines()[1:]
+    }
+    calls: dict[int, list[tuple[float, float]]] = {}
+    for e in json.loads((FULL_RUN / "trace.json").read_text())["traceEvents"]:
+        if e.get("name") == "train_chunk" and e["args"].get("step") in steps:
+            calls.setdefault(e["args"]["step"], []).append((e["ts"], e["dur"] / 1e6))
+    assert {len(c) for c in calls.values()} == {fit.costs.policy_epochs}
+    firsts = [min(c)[1] for c in calls.values()]
+    repeats = [d for c in calls.values() for _, d in sorted(c)[1:]]
+    samples = fit.workload.batch * fit.workload.samples_per_group
+    assert fit.costs.actor_train_per_sample == pytest.approx(sum(firsts) / len(firsts) / samples)
+    assert fit.costs.actor_epoch_per_sample == pytest.approx(sum(repeats) / len(repeats) / samples)
+
+
+def test_actor_passes_need_two_calls_in_a_step_and_order_by_time() -> None:
+    from ppo_driver.simulate import _actor_passes
+
+    def call(step: int, ts: float, dur: float) -> TraceEvent:
+        return TraceEvent(
+            name="train_chunk", cat="backward", ph="X", ts=ts, dur=dur, pid=1, tid=1,
+            args={"step": step},
+        )  # fmt: skip
+
+    assert _actor_passes([call(1, 0.0, 1e6), call(2, 5e6, 1e6)], {1, 2}) is None  # streaming
+    later_first = [call(1, 3e6, 1e6), call(1, 0.0, 3e6), call(1, 5e6, 2e6), call(9, 0.0, 9e6)]
+    assert _actor_passes(later_first, {1}) == (3.0, 1.5)  # step 9 is not fitted on
+
+
+@pytest.mark.parametrize("run", [RUN, FULL_RUN], ids=["streaming", "full-batch"])
+def test_untimed_time_is_charged_per_model_call(run: Path) -> None:
+    """What the workers did not time (the driver's round trips and work between calls) is
+    fitted per call of the run's mode, so a prediction for the other mode pays for the
+    calls that mode makes: a full batch with K = 4 epochs makes 12 a step, streaming in
+    one chunk 6."""
+    fit = fit_run(run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()[1:]
+    rows: list[dict[str, float]] = [
+        {k: v for k, v in json.loads(x).items() if isinstance(v, int | float)} for x in lines
+    ]
+    phases = ("wait", "value", "backward", "logprob", "update", "refit", "critic", "switch")
+
+    def mean(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in rows) / len(rows)
+
+    untimed = mean("perf/step_s") - sum(mean(f"perf/{p}_s") for p in phases)
+    full = fit.workload.min_groups == fit.workload.batch
+    calls = fit.costs.calls_per_step(mean("train/chunks"), logprob_pass=full)
+    assert fit.costs.call_overhead_s * calls == pytest.approx(untimed)
+    assert fit.costs.step_overhead_s == fit.costs.chunk_overhead_s == 0.0
+    assert fit.costs.calls_per_step(1, logprob_pass=True) == 12
+    assert fit.costs.calls_per_step(1, logprob_pass=False) == 6

@@ -3,6 +3,7 @@ sampler, its degenerate cases are exact, and bad inputs are refused clearly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -188,7 +189,82 @@ def test_policy_epochs_full_batch_runs_the_logprob_pass() -> None:
     assert full.step_s - stream.step_s == pytest.approx(0.5 * 4)
 
 
+# -- per-call overhead and the actor's repeat passes ---------------------------------------
+CALL = 0.05
+"""Seconds of the driver per model call (no other cost below)."""
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_groups_finishing_at_once_stay_equal_with_call_overhead(lookahead: int) -> None:
+    """One policy epoch: streaming's single chunk makes the same calls as a full batch."""
+    same = MeasuredLengths(lengths=(37,))
+    costs = dataclasses.replace(COSTS, call_overhead_s=CALL)
+    wl = Workload(batch=64, min_groups=8, samples_per_group=4, lookahead=lookahead)
+    table = simulate_minimums(wl, FAST, costs, same, minimums=[1, 8, 64], steps=5)
+    assert table.full_batch.step_s > simulate(wl, FAST, COSTS, same, steps=5).step_s
+    for row in table.rows:
+        assert row.step_s == table.full_batch.step_s
+
+
+@pytest.mark.parametrize(
+    ("epochs", "full_calls", "stream_calls"),
+    [
+        pytest.param(1, 5, 5, id="one-epoch"),  # value, train_chunk, finish_step, refit, critic
+        pytest.param(2, 8, 6, id="two-epochs"),  # full: log-prob + 2 x (train_chunk + step)
+        pytest.param(4, 12, 6, id="four-epochs"),  # streaming: + train_epochs
+    ],
+)
+def test_call_overhead_is_paid_per_call_of_the_mode(
+    epochs: int, full_calls: int, stream_calls: int
+) -> None:
+    """A full batch with K epochs calls the actor 2K + 1 times after the chunks, streaming
+    twice: the mode's overhead follows its calls (all groups finish at once, so both make
+    one chunk and nothing else differs)."""
+    same = MeasuredLengths(lengths=(10,))
+    costs = TrainingCosts(call_overhead_s=CALL, policy_epochs=epochs)
+    assert costs.calls_per_step(1, logprob_pass=epochs > 1) == full_calls
+    assert costs.calls_per_step(1, logprob_pass=False) == stream_calls
+    slow = GenerationModel(tokens_per_s=1.0, concurrency=1000)  # 1 s per token: 10 s a step
+    kw = {"steps": 4, "warmup_steps": 1}
+    stream = simulate(Workload(batch=4, min_groups=2, lookahead=0), slow, costs, same, **kw)
+    full = simulate(Workload(batch=4, min_groups=4, lookahead=0), slow, costs, same, **kw)
+    assert stream.chunks_per_step == full.chunks_per_step == 1
+    assert full.step_s - stream.step_s == pytest.approx(CALL * (full_calls - stream_calls))
+    for result, calls in ((stream, stream_calls), (full, full_calls)):
+        assert result.measured[0].busy_s == pytest.approx(CALL * calls)
+
+
+def test_repeat_epochs_cost_the_same_in_both_modes() -> None:
+    """Epoch 1 is the actor's first pass over the samples, epochs 2..K repeat it, in both
+    modes: with equal lengths a full batch differs from streaming by its log-prob pass."""
+    same = MeasuredLengths(lengths=(10,))
+    costs = TrainingCosts(
+        actor_train_per_sample=1.0,
+        actor_epoch_per_sample=0.25,
+        actor_forward_per_sample=0.5,
+        policy_epochs=3,
+    )
+    assert costs.after_chunks_s(4, logprob_pass=True) == pytest.approx(0.5 * 4 + 4 + 2 * 0.25 * 4)
+    assert costs.after_chunks_s(4, logprob_pass=False) == pytest.approx(2 * 0.25 * 4)
+    stream = simulate(Workload(batch=4, min_groups=2, lookahead=0), FAST, costs, same)
+    full = simulate(Workload(batch=4, min_groups=4, lookahead=0), FAST, costs, same)
+    assert full.step_s - stream.step_s == pytest.approx(0.5 * 4)
+
+
+def test_cli_takes_the_call_overhead(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--batch", "16", "--min-groups", "16", "--lengths", "5", "--json"]
+    argv += ["--tokens-per-s", "100", "--concurrency", "100", "--steps", "3"]
+    assert main(argv) == 0
+    base = json.loads(capsys.readouterr().out)["full_batch_step_s"]
+    assert main([*argv, "--call-overhead-s", "0.5"]) == 0
+    with_calls = json.loads(capsys.readouterr().out)["full_batch_step_s"]
+    assert with_calls > base + 0.5  # several calls a step
+
+
 BAD = [
+    pytest.param(
+        lambda: TrainingCosts(call_overhead_s=-0.5), "call_overhead_s=-0.5", id="neg-call"
+    ),
     pytest.param(lambda: TrainingCosts(switch_s=-1.0), "switch_s=-1.0", id="negative-switch"),
     pytest.param(
         lambda: TrainingCosts(actor_train_per_sample=-0.1), "actor_train_per_sample", id="neg-cost"

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the real types of the lazy names, for type checkers
     from ppo_driver.trace import TraceRecorder
     from ppo_driver.workers import TrainGroup, WorkerLost
 
-__version__ = "0.8.0"
+__version__ = "0.8.1"
 
 _LAZY = {
     "ConfigError": "ppo_driver.config",

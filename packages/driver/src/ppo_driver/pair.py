@@ -198,16 +198,18 @@ class TrainPair:
         )
         return self._started(planned, pending)
 
-    def finish_step(self, *, step: int, loss_denominator: float | None) -> Metrics:
-        """The actor's optimizer + scheduler step; its (all-reduced) metrics."""
+    def finish_step(self, *, step: int, loss_denominator: float | None) -> Started[Metrics]:
+        """The actor's optimizer + scheduler step, started (``.result().reduced()``: its
+        all-reduced metrics)."""
         p = self.plan(Role.ACTOR, Phase.POLICY_UPDATE, step)
         pending = self.actor.submit(
             self._options(p), ActorWorker.finish_step, loss_denominator=loss_denominator
         )
-        return self._started(p, pending).result().reduced()
+        return self._started(p, pending)
 
-    def train_epochs(self, *, step: int, epochs: int, loss_denominator: float) -> Metrics:
-        """Policy epochs 2..K over the chunks the actor ranks kept; the last update's."""
+    def train_epochs(self, *, step: int, epochs: int, loss_denominator: float) -> Started[Metrics]:
+        """Policy epochs 2..K over the chunks the actor ranks kept, started (the result:
+        the last update's metrics)."""
         p = self.plan(Role.ACTOR, Phase.POLICY_UPDATE, step)
         pending = self.actor.submit(
             self._options(p),
@@ -215,7 +217,7 @@ class TrainPair:
             epochs=epochs,
             loss_denominator=loss_denominator,
         )
-        return self._started(p, pending).result().reduced()
+        return self._started(p, pending)
 
     def train_critic(
         self,

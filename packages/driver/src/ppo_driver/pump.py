@@ -57,7 +57,7 @@ from ppo_trainer import Moments, gae, masked_moments, masked_whiten, whiten_with
 from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.config import DriverConfig
 from ppo_driver.metrics import NonFiniteError, check_finite_metrics
-from ppo_driver.pair import TrainPair
+from ppo_driver.pair import Metrics, Started, TrainPair
 from ppo_driver.trace import TraceRecorder
 from ppo_driver.workers import Rows, mini_batch_order
 
@@ -305,12 +305,20 @@ class TrainPump:
         self.pair.settle()
         log.info("train_pump: step %d closing on %d chunk(s)", step, len(s.chunks))
         self._maybe_fail("after_chunks", step)
+        # streaming: the update needs nothing but the chunks the actor ranks hold, so it
+        # starts before the driver assembles and checks the step batch
+        started = self._start_streamed_update(s) if s.policy and not self._logprob_pass else None
         batch = StepBatch.assemble(s.chunks, pad_id=self.pad_id, group_sizes=s.chunk_groups)
         self._check_batch(batch)
 
         update: dict[str, float] = {}
         if s.policy:  # ONE optimizer + scheduler update (full-batch: one per policy epoch)
-            update = self._policy_update(s, batch)
+            if started is not None:  # in order: a refusal of the first update surfaces first
+                for call in started:
+                    update = call.result().reduced()
+            else:
+                final = None if s.final else batch.valid_tokens()
+                update = self._full_batch_epochs(s, batch, final=final)
             self._maybe_fail("after_policy_update", step)
             if not colocated:
                 self._refit_trained(s)  # early refit: before critic training
@@ -420,20 +428,25 @@ class TrainPump:
         own forward gives them, kept on the actor ranks for epochs 2..K."""
         return not self.cfg.streaming and self.cfg.ppo.ppo_epochs > 1
 
-    def _policy_update(self, s: _StepState, batch: StepBatch) -> dict[str, float]:
-        """The step's policy updates (one per epoch); returns the last one's metrics."""
-        final = None if s.final else batch.valid_tokens()
-        if self._logprob_pass:
-            return self._full_batch_epochs(s, batch, final=final)
-        update = self.pair.finish_step(step=s.step, loss_denominator=final)
+    def _start_streamed_update(self, s: _StepState) -> list[Started[Metrics]]:
+        """Streaming: the one optimizer step after the chunks, then epochs 2..K over the
+        chunks the actor ranks kept, each with its step; started, not awaited (the last
+        call's result is the last update's metrics). A token-mean loss whose chunks got a
+        provisional denominator gets the step's true valid-token count here."""
+        final = None
+        if not s.final:
+            final = float(sum(float(c.loss_mask.sum().item()) for c in s.chunks))
+        calls = [self.pair.finish_step(step=s.step, loss_denominator=final)]
         epochs = self.cfg.ppo.ppo_epochs - 1
-        if not epochs:
-            return update
-        return self.pair.train_epochs(  # epochs 2..K over the chunks the actor ranks kept
-            step=s.step,
-            epochs=epochs,
-            loss_denominator=s.denominator if final is None else final,
-        )
+        if epochs:
+            calls.append(
+                self.pair.train_epochs(
+                    step=s.step,
+                    epochs=epochs,
+                    loss_denominator=s.denominator if final is None else final,
+                )
+            )
+        return calls
 
     def _full_batch_epochs(
         self, s: _StepState, batch: StepBatch, *, final: float | None
@@ -455,7 +468,7 @@ class TrainPump:
             ).result()
             if epoch == 0:
                 s.chunk_metrics.append(out.summed())
-            update = self.pair.finish_step(step=s.step, loss_denominator=final)
+            update = self.pair.finish_step(step=s.step, loss_denominator=final).result().reduced()
         return update
 
     def _refit_trained(self, s: _StepState) -> None:

@@ -10,10 +10,13 @@ step: the phases' seconds, as the trace timed them, and each group's longest res
   window (first dispatch to last arrival) over its longest group, minus the engine's
   gather window; every group in flight decodes at once (the embedded engine batches a
   round; sglang batches continuously);
-* training costs per sample (value forward, the actor's forward + backward, critic
-  training per epoch), per optimizer step, per refit, per model switch, per chunk (the
-  driver's GAE and round trips) and per step (what remains of the step when the wait
-  and every timed phase are taken out).
+* training costs per sample (value forward, the actor's first forward + backward over
+  the step's samples and its repeat passes, epochs 2..K, critic training per epoch),
+  per optimizer step, per refit, per model switch, and per model call: what remains of
+  the step when the wait and every phase timed inside the workers are taken out (the
+  driver's round trips, shipping rows, GAE, batch assembly), divided by the calls the
+  pump made (a full batch with K epochs makes 2K + 1 policy calls where streaming makes
+  one or two, so this follows the mode instead of being carried over as a constant).
 
 The simulator (:func:`ppo_sampler.simulate_minimums`) then replays steps through the
 real sampler with these costs. It projects; it does not measure.
@@ -160,8 +163,9 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
     )
     trace = _read_trace(run / "trace.json")
     generation = _fit_generation(used, workload, rollout, _observed_ends(trace))
-    calls = _update_calls(trace, {int(r["step"]) for r in used})
-    costs = _fit_costs(used, workload, ppo, calls)
+    steps = {int(r["step"]) for r in used}
+    calls = _update_calls(trace, steps)
+    costs = _fit_costs(used, workload, ppo, calls, _actor_passes(trace, steps))
     return FittedRun(
         workload=workload,
         generation=generation,
@@ -257,11 +261,37 @@ def _update_calls(events: Sequence[TraceEvent], steps: set[int]) -> dict[str, fl
     return {name: seconds / len(steps) for name, seconds in totals.items()}
 
 
+def _actor_passes(events: Sequence[TraceEvent], steps: set[int]) -> tuple[float, float] | None:
+    """A full batch's K ``train_chunk`` calls per step: (mean seconds of each step's
+    first, mean seconds of the later ones); None without a step that made two.
+
+    The first pass over a step's samples costs more than the repeats (in the bench's
+    traces 1.5-2x: its rows arrive, and memory freed while the actor slept is touched
+    again), so epoch 1 and epochs 2..K are fitted apart, as streaming's are (its chunks
+    hold epoch 1, ``train_epochs`` the repeats)."""
+    by_step: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        step = e.get("args", {}).get("step")
+        if e.get("name") == "train_chunk" and isinstance(step, int) and step in steps:
+            by_step.setdefault(step, []).append((float(e["ts"]), float(e["dur"]) / 1e6))
+    firsts: list[float] = []
+    repeats: list[float] = []
+    for passes in by_step.values():
+        if len(passes) > 1:
+            passes.sort()
+            firsts.append(passes[0][1])
+            repeats.extend(d for _, d in passes[1:])
+    if not firsts:
+        return None
+    return statistics.fmean(firsts), statistics.fmean(repeats)
+
+
 def _fit_costs(
     rows: Sequence[_StepRow],
     workload: Workload,
     ppo: Mapping[str, JSONValue],
     calls: Mapping[str, float],
+    passes: tuple[float, float] | None = None,
 ) -> TrainingCosts:
     samples = workload.batch * workload.samples_per_group
     epochs = as_int(ppo.get("ppo_epochs", 1))
@@ -276,6 +306,8 @@ def _fit_costs(
     if logprob_pass:
         optimizer = update / epochs
         forward = _mean(rows, "perf/logprob_s") / samples
+        if passes is not None:  # epoch 1 (the first pass) and the repeats, apart
+            actor, later = passes[0] / samples, passes[1] / samples
     else:  # one optimizer step (finish_step) + epochs 2..K, each with its step
         optimizer = calls.get("finish_step", update if epochs == 1 else 0.0)
         if epochs > 1 and "train_epochs" in calls:
@@ -286,20 +318,22 @@ def _fit_costs(
     switches = _mean(rows, "train/switches") or 2 * chunks
     switch_total = _mean(rows, "perf/switch_s")
     per_switch = switch_total / switches if switches else 0.0
-    chunk_span = _mean(rows, "perf/chunk_s")
-    in_chunks = _mean(rows, "perf/value_s") + (0.0 if logprob_pass else actor * samples)
-    chunk_overhead = max(0.0, (chunk_span - in_chunks - per_switch * chunks) / chunks)
-    timed = (
-        _mean(rows, "perf/wait_s")
-        + chunk_span
-        + (_mean(rows, "perf/backward_s") if logprob_pass else 0.0)  # the K epochs, after
-        + update
-        + _mean(rows, "perf/logprob_s")
-        + _mean(rows, "perf/refit_s")
-        + _mean(rows, "perf/critic_s")
-        + (switch_total - per_switch * chunks)
+    # every phase timed inside the workers (and the wait); the rest is the driver's
+    timed = sum(
+        _mean(rows, key)
+        for key in (
+            "perf/wait_s",
+            "perf/value_s",
+            "perf/backward_s",
+            "perf/logprob_s",
+            "perf/update_s",
+            "perf/refit_s",
+            "perf/critic_s",
+            "perf/switch_s",
+        )
     )
-    return TrainingCosts(
+    untimed = max(0.0, _mean(rows, "perf/step_s") - timed)
+    costs = TrainingCosts(
         value_forward_per_sample=value,
         actor_train_per_sample=actor,
         critic_train_per_sample=_mean(rows, "perf/critic_s") / (samples * critic_epochs),
@@ -310,9 +344,9 @@ def _fit_costs(
         optimizer_s=optimizer,
         refit_s=_mean(rows, "perf/refit_s"),
         switch_s=per_switch,
-        chunk_overhead_s=chunk_overhead,
-        step_overhead_s=max(0.0, _mean(rows, "perf/step_s") - timed),
     )
+    call = untimed / costs.calls_per_step(chunks, logprob_pass=logprob_pass)
+    return replace(costs, call_overhead_s=call)
 
 
 def what_if(
@@ -369,7 +403,8 @@ def describe(fit: FittedRun) -> str:
             f"{c.critic_train_per_sample * 1e3:.2f} ms",
             f"  per step: optimizer {c.optimizer_s:.3f} s x {c.policy_epochs}, refit "
             f"{c.refit_s:.3f} s, other {c.step_overhead_s:.3f} s; per switch "
-            f"{c.switch_s:.3f} s; per chunk {c.chunk_overhead_s:.3f} s",
+            f"{c.switch_s:.3f} s; per chunk {c.chunk_overhead_s:.3f} s; per model call "
+            f"{c.call_overhead_s * 1e3:.1f} ms",
         ]
     )
 

@@ -41,7 +41,7 @@ from ppo_sampler._simulate import (
     simulate_minimums,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 __all__ = [
     "PRESETS",

@@ -108,6 +108,7 @@ _COST_FLAGS = {
     "switch_s": "switch_s",
     "chunk_overhead_s": "chunk_overhead_s",
     "step_overhead_s": "step_overhead_s",
+    "call_overhead_s": "call_overhead_s",
 }
 
 

@@ -20,7 +20,11 @@ the driver's pump does. What is modelled is time:
   (DESIGN.md's schedule): per chunk a value forward, a switch, the actor's forward and
   backward, and (when more chunks follow) the switch back, which runs while the pump
   waits; after the chunks one optimizer step, the early refit (the next step's prompts
-  may go out then), a switch and ``critic_epochs`` epochs over the whole batch.
+  may go out then), a switch and ``critic_epochs`` epochs over the whole batch. Every
+  call the pump makes to a model also costs ``call_overhead_s`` of the driver's time
+  before its work starts (:meth:`TrainingCosts.calls_per_step` counts them), so a mode
+  that makes more calls (full batch with K epochs: a log-prob pass and K
+  ``train_chunk`` + ``finish_step`` pairs) pays for each.
 
 All times are seconds. The model is a projection: it knows nothing of memory limits,
 stragglers, network contention or engine preemption; a fitted model's error on this
@@ -189,20 +193,24 @@ class GenerationModel:
 class TrainingCosts:
     """Seconds on the training devices. ``*_per_sample`` costs scale with the samples
     of a chunk (value forward, actor forward + backward) or the step (critic training,
-    per epoch); the others are paid once per chunk, per step or per switch.
+    per epoch); the others are paid once per chunk, per step, per switch or per call.
 
     ``policy_epochs`` > 1 (the project's extension): streaming runs epoch 1 in the
     chunks and epochs 2..K over the whole batch after them, each with its optimizer
     step; full batch first runs a log-prob forward (``actor_forward_per_sample``) and
-    then K epochs over the batch (the driver's pump does the same)."""
+    then K epochs over the batch (the driver's pump does the same). In both modes the
+    first epoch is the actor's first pass over the step's samples
+    (``actor_train_per_sample``) and epochs 2..K repeat it (``actor_epoch_per_sample``)."""
 
     value_forward_per_sample: float = 0.0
     actor_train_per_sample: float = 0.0
+    """The actor's first forward + backward over a sample in a step (epoch 1)."""
     critic_train_per_sample: float = 0.0
     actor_forward_per_sample: float = 0.0
     actor_epoch_per_sample: float | None = None
-    """Streaming's epochs 2..K over the kept chunks, per sample and epoch (None: as
-    ``actor_train_per_sample``)."""
+    """Epochs 2..K, per sample and epoch: a repeat pass over samples the actor already
+    holds (streaming: the kept chunks; full batch: the batch it has just trained on);
+    None: as ``actor_train_per_sample``."""
     critic_epochs: int = 1
     policy_epochs: int = 1
     optimizer_s: float = 0.0
@@ -210,6 +218,11 @@ class TrainingCosts:
     switch_s: float = 0.0
     chunk_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    call_overhead_s: float = 0.0
+    """The driver's side of every call to a model (its round trip: preparing and
+    shipping the call's rows, waiting for the result, the driver's work between calls),
+    paid before the call's work on the training timeline; :meth:`calls_per_step` counts
+    the calls."""
 
     def __post_init__(self) -> None:
         own = "TrainingCosts"
@@ -223,6 +236,7 @@ class TrainingCosts:
             "switch_s",
             "chunk_overhead_s",
             "step_overhead_s",
+            "call_overhead_s",
         ):
             _number(own, name, getattr(self, name))
         if self.actor_epoch_per_sample is not None:
@@ -237,13 +251,36 @@ class TrainingCosts:
 
     def after_chunks_s(self, samples: int, *, logprob_pass: bool) -> float:
         """The policy's work after the chunks: optimizer steps and epochs 2..K (with
-        ``logprob_pass``, full batch with K > 1: the log-prob forward and all K epochs)."""
-        if logprob_pass:
-            epoch = self.actor_train_per_sample * samples + self.optimizer_s
-            return self.actor_forward_per_sample * samples + self.policy_epochs * epoch
+        ``logprob_pass``, full batch with K > 1: the log-prob forward and all K epochs,
+        the first at ``actor_train_per_sample``)."""
         later = self.actor_epoch_per_sample
         per = self.actor_train_per_sample if later is None else later
-        return self.optimizer_s + (self.policy_epochs - 1) * (per * samples + self.optimizer_s)
+        repeats = (self.policy_epochs - 1) * (per * samples + self.optimizer_s)
+        if logprob_pass:
+            first = self.actor_train_per_sample * samples + self.optimizer_s
+            return self.actor_forward_per_sample * samples + first + repeats
+        return self.optimizer_s + repeats
+
+    def chunk_calls(self, *, logprob_pass: bool) -> int:
+        """Model calls per chunk: the critic's value forward and, unless the full
+        batch's log-prob pass comes later, the actor's ``train_chunk``."""
+        return 1 if logprob_pass else 2
+
+    def after_chunks_calls(self, *, logprob_pass: bool) -> int:
+        """Model calls after the chunks, the refit and critic training included: the
+        log-prob forward and K (``train_chunk`` + ``finish_step``) pairs (full batch
+        with K > 1) or ``finish_step`` and, for K > 1, ``train_epochs``."""
+        if logprob_pass:
+            policy = 1 + 2 * self.policy_epochs
+        else:
+            policy = 1 + (1 if self.policy_epochs > 1 else 0)
+        return policy + 2  # the refit, critic training
+
+    def calls_per_step(self, chunks: float, *, logprob_pass: bool) -> float:
+        """The model calls of a step of ``chunks`` chunks (each pays ``call_overhead_s``)."""
+        return chunks * self.chunk_calls(logprob_pass=logprob_pass) + self.after_chunks_calls(
+            logprob_pass=logprob_pass
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -552,7 +589,8 @@ class _Run:
             remaining -= len(ids)
             chunks.append(len(ids))
             samples = len(ids) * wl.samples_per_group
-            work = c.chunk_s(samples, backward=not logprob_pass) + c.switch_s
+            calls = c.chunk_calls(logprob_pass=logprob_pass) * c.call_overhead_s
+            work = c.chunk_s(samples, backward=not logprob_pass) + c.switch_s + calls
             device = max(released, device) + work
             busy += work
             poll = device  # the pump polls again once the actor's call returned
@@ -561,13 +599,15 @@ class _Run:
                 busy += c.switch_s
         # the policy's update(s), the early refit, then the next step may be generated
         samples = wl.batch * wl.samples_per_group
+        calls = c.after_chunks_calls(logprob_pass=logprob_pass) * c.call_overhead_s
         update = c.after_chunks_s(samples, logprob_pass=logprob_pass) + c.refit_s
+        update += calls - c.call_overhead_s  # all but critic training's call
         device += update
         self.weight_version += 1
         self.admit = step + 1
         self.arrive_until(device)
         tail = c.switch_s + c.critic_train_per_sample * samples * c.critic_epochs
-        tail += c.step_overhead_s
+        tail += c.step_overhead_s + c.call_overhead_s
         device += tail
         busy += update + tail
         self.sampler.mark_consumed(claimed)

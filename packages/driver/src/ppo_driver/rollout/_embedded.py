@@ -71,6 +71,7 @@ class _Ticket:
     output: GroupOutput | None = None
     error: BaseException | None = None
     done: bool = False
+    waiter: threading.Condition | None = None  # its call's, notified when it is done
 
 
 class EmbeddedEngine:
@@ -130,7 +131,9 @@ class EmbeddedEngine:
         self.rounds = 0
         self.gather_s = float(gather_s)
         self._lock = threading.Lock()  # the weights: held by a round, or a refit swap
-        self._cv = threading.Condition()  # queue, tickets, leader, pause, busy
+        self._mutex = threading.RLock()  # queue, tickets, leader, pause, busy
+        self._cv = threading.Condition(self._mutex)  # pause_generation waits on it
+        self._waiters: set[threading.Condition] = set()  # one per generate() call waiting
         self._queue: list[_Ticket] = []
         self._leading = False
         self._last_arrival = 0.0  # when the latest generate() call queued its groups
@@ -173,19 +176,34 @@ class EmbeddedEngine:
                 f"weights (version {self.weight_version}); it generates again once the "
                 "driver pushed the current weights (WeightRefitter.restore_engine)"
             )
-        tickets = [_Ticket(request=r, samples=[None] * r.params.n) for r in requests]
-        with self._cv:
+        # this call's own condition (on the engine's lock): a finished group wakes only
+        # its call, not every call waiting (one thread per call in flight: 64 a step)
+        mine = threading.Condition(self._mutex)
+        tickets = [_Ticket(request=r, samples=[None] * r.params.n, waiter=mine) for r in requests]
+        with self._cv:  # (an arrival wakes nobody: a gathering round re-reads the clock)
             self._queue.extend(tickets)
             self._last_arrival = time.monotonic()
-            self._cv.notify_all()
+            self._waiters.add(mine)
+        try:
+            self._generate(tickets, mine)
+        finally:
+            with self._cv:
+                self._waiters.discard(mine)
+        for t in tickets:
+            if t.error is not None:
+                raise t.error
+        return [t.output for t in tickets if t.output is not None]
+
+    def _generate(self, tickets: Sequence[_Ticket], mine: threading.Condition) -> None:
+        """Wait until ``tickets`` are done, leading a round when nobody decodes."""
         while True:
             with self._cv:
                 while not all(t.done for t in tickets) and (
                     self._leading or not self._unpaused.is_set() or not self._queue
                 ):
-                    self._cv.wait()
+                    mine.wait()
                 if all(t.done for t in tickets):
-                    break
+                    return
                 # nobody decodes and groups wait: this call runs the next round, once
                 # the calls sent together have joined it (a quiet gather_s, bounded)
                 self._leading = True
@@ -193,7 +211,7 @@ class EmbeddedEngine:
                 while (
                     rest := min(self._last_arrival + self.gather_s, latest) - time.monotonic()
                 ) > 0:
-                    self._cv.wait(timeout=rest)
+                    mine.wait(timeout=rest)
                 round_ = self._take_round()
                 self.rounds += 1
                 self._busy += len(round_)
@@ -209,11 +227,14 @@ class EmbeddedEngine:
                         t.done = True
                     self._leading = False
                     self._busy -= len(round_)
-                    self._cv.notify_all()
-        for t in tickets:
-            if t.error is not None:
-                raise t.error
-        return [t.output for t in tickets if t.output is not None]
+                    self._wake_all()
+
+    def _wake_all(self) -> None:
+        """A change every waiter may act on (a round ended, generation resumed); under
+        the engine's lock."""
+        self._cv.notify_all()
+        for waiter in self._waiters:
+            waiter.notify()
 
     def _take_round(self) -> list[_Ticket]:
         """The waiting groups with the oldest one's prompt length (one if not batching)."""
@@ -268,7 +289,8 @@ class EmbeddedEngine:
                     with self._cv:
                         ticket.done = True
                         self.groups_served += 1
-                        self._cv.notify_all()
+                        if ticket.waiter is not None:
+                            ticket.waiter.notify()
 
             self._step_t0 = time.perf_counter()
             generate_rows(
@@ -305,7 +327,7 @@ class EmbeddedEngine:
     def continue_generation(self) -> None:
         with self._cv:
             self._unpaused.set()
-            self._cv.notify_all()
+            self._wake_all()
 
     def release_memory(self) -> None:
         """Put the weights to sleep (off the device: pinned host memory on CUDA, out of
