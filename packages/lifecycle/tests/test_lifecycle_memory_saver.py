@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -202,3 +202,70 @@ def test_a_second_backend_cannot_change_the_hook_mode_before_first_use(
         TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-b", hook_mode="preload")
     second = TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-c")
     assert second.hook_mode == "torch" and tms.modes == ["torch"]
+
+
+class _Library:
+    """The singleton's C library: records the region flag the exit hook sets."""
+
+    def __init__(self) -> None:
+        self.interesting: list[bool] = []
+
+    def tms_set_interesting_region(self, value: bool) -> None:
+        self.interesting.append(value)
+
+
+class _RetainingStandIn(_StandIn):
+    """A stand-in with 0.0.10's process-wide ``retain_cpu_backup`` and C library."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.retained: list[bool] = []
+        self._impl = types.SimpleNamespace(  # type: ignore[assignment]
+            _hook_mode="torch", _binary_wrapper=types.SimpleNamespace(cdll=_Library())
+        )
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        return bool(self.retained and self.retained[-1])
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self.retained.append(value)
+
+
+def test_torch_hook_mode_exits_cleanly_and_host_copies_are_retained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen on an H200: in ``torch`` hook mode the pools' frees at interpreter exit
+    ended every process with status 1, and the CPU backups were pinned anew at each
+    sleep (1.8 s for 3 GiB). One exit hook per singleton marks the exiting thread as in
+    a region; retention is asked for unless the caller declines."""
+    tms = _RetainingStandIn()
+    monkeypatch.setitem(
+        sys.modules, "torch_memory_saver", types.SimpleNamespace(torch_memory_saver=tms)
+    )
+    hooks: list[Callable[[], None]] = []
+    monkeypatch.setattr(_backends.atexit, "register", hooks.append)
+    first = TorchMemorySaverBackend(torch.device("cuda", 0), name="exit-a")
+    second = TorchMemorySaverBackend(
+        torch.device("cuda", 0), name="exit-b", retain_host_copies=False
+    )
+    assert first.hook_mode == second.hook_mode == "torch"
+    assert len(hooks) == 1  # once per process's singleton
+    assert first.retain_host_copies and not second.retain_host_copies
+    assert tms.retained == [True]  # never turned off by a backend that declines
+    library = tms._impl._binary_wrapper.cdll
+    assert library.interesting == []  # nothing changes until the exit
+    hooks[0]()
+    assert library.interesting == [True]
+
+
+def test_a_library_without_retention_is_used_as_it_is(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hooks: list[Callable[[], None]] = []
+    monkeypatch.setattr(_backends.atexit, "register", hooks.append)
+    backend = TorchMemorySaverBackend(torch.device("cuda", 0), name="no-retain")
+    assert not backend.retain_host_copies
+    for hook in hooks:
+        hook()  # no C library yet (the stand-in's _impl is None): nothing to mark

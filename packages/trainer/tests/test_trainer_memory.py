@@ -192,6 +192,28 @@ def test_a_refused_suspend_keeps_every_communicator_and_is_not_retried(
     assert ok.calls == ["suspend", "resume"]
 
 
+class _CommWithoutSuspend:
+    """A ``ProcessGroupNCCL`` of a torch without ``suspend()`` (torch 2.11, as on the
+    lent H200): only ``resume`` would be reached by a rollback, and never is."""
+
+    def resume(self) -> None:  # pragma: no cover - nothing was suspended
+        raise AssertionError("resumed without a suspend")
+
+
+def test_a_torch_without_suspend_keeps_the_communicators_with_a_warning(
+    registry: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    ok = FakeComm("ok")
+    model = CommunicatorSuspender(lambda: [ok, _CommWithoutSuspend()], name="actor")  # type: ignore[list-item]
+    with caplog.at_level(logging.WARNING, logger="ppo_trainer._offload"):
+        assert model.release() == 0
+    assert ok.calls == ["suspend", "resume"] and not ok.is_suspended  # rolled back
+    assert f"torch {torch.__version__}" in caplog.text and "suspend" in caplog.text
+    assert registry.unsupported
+    assert model.restore() == 0 and model.release() == 0  # not retried
+    assert ok.calls == ["suspend", "resume"]
+
+
 def test_workers_call_the_hooks_on_first_sleep_and_every_wake_up(
     registry: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -272,7 +294,7 @@ _NCCL_CHILD = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from ppo_trainer import CommunicatorSuspender
-    from ppo_trainer._offload import nccl_communicators, process_groups
+    from ppo_trainer._offload import _REGISTRY, nccl_communicators, process_groups
 
     def stats(comm):  # ncclCommMemStats through torch: diagnostics, may be missing
         try:
@@ -301,9 +323,19 @@ _NCCL_CHILD = textwrap.dedent(
     dist.destroy_process_group()
     print(json.dumps({"comms": len(comms), "suspended": suspended, "resumed": resumed,
                       "before": before, "during": during, "after": after, "ok": ok,
-                      "freed": free_asleep - free_awake, "lazy": lazy}))
+                      "freed": free_asleep - free_awake, "lazy": lazy,
+                      "refused": _REGISTRY.unsupported}))
     """
 )
+
+
+def _nccl_can_suspend() -> bool:
+    """ncclCommSuspend needs NCCL >= 2.29.7 and torch's ProcessGroupNCCL.suspend (the
+    lent H200 had torch 2.11 with NCCL 2.28.9: neither)."""
+    from torch.distributed import ProcessGroupNCCL
+
+    nccl = tuple(torch.cuda.nccl.version())
+    return hasattr(ProcessGroupNCCL, "suspend") and nccl >= (2, 29, 7)
 
 
 @pytest.mark.gpu
@@ -316,7 +348,11 @@ def test_nccl_communicator_is_suspended_on_release_and_works_after_restore() -> 
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print("NCCL suspend:", out)  # what the lent machine showed (nox -s gpu keeps the log)
     assert out["comms"] == 1
-    assert out["suspended"] == 1 and out["resumed"] == 1
+    if not _nccl_can_suspend():  # refused once, with the reason; the group still works
+        assert out["suspended"] == 0 and out["resumed"] == 0 and out["refused"], out
+        assert out["ok"]
+        return
+    assert out["suspended"] == 1 and out["resumed"] == 1 and not out["refused"]
     if isinstance(out["during"], dict):  # ncclCommMemStats' "suspended" flag
         assert out["during"]["suspended"] == 1 and out["after"]["suspended"] == 0, out
     assert out["freed"] >= 0
@@ -364,7 +400,7 @@ def test_megatron_groups_are_suspended_only_while_actor_and_critic_both_sleep() 
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print("megatron NCCL suspend:", out)
     assert out["actor_asleep"] == 0
-    assert out["both_asleep"] >= 1
+    assert out["both_asleep"] >= (1 if _nccl_can_suspend() else 0)
     assert out["actor_awake"] == 0
     assert out["ok"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -669,6 +670,41 @@ def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
     return mode
 
 
+_exit_hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # singletons given the exit hook
+
+
+def _tms_library(tms: Any) -> Any | None:
+    """The singleton's loaded C library (built at its first use), or None where this
+    torch_memory_saver keeps it elsewhere."""
+    impl = getattr(tms, "_impl", None)
+    return getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
+
+
+def _accept_pool_frees_at_exit(tms: Any) -> None:
+    """Once per singleton: at interpreter exit, mark the exiting thread as inside a
+    region, so the ``torch`` hook mode's free (called when the regions' memory pools
+    are destroyed, after ``atexit``) does not end the process with status 1."""
+    if tms in _exit_hooked:
+        return
+    _exit_hooked.add(tms)
+
+    def accept() -> None:
+        library = _tms_library(tms)
+        if library is not None and hasattr(library, "tms_set_interesting_region"):
+            library.tms_set_interesting_region(True)
+
+    atexit.register(accept)
+
+
+def _retain_cpu_backups(tms: Any) -> bool:
+    """Turn on the library's retention of pinned CPU backups across resumes (process
+    wide); False where this torch_memory_saver has no such setting."""
+    if not isinstance(getattr(type(tms), "retain_cpu_backup", None), property):
+        return False
+    tms.retain_cpu_backup = True
+    return True
+
+
 def _expandable_segments_on() -> bool:
     return any(
         "expandable_segments:True" in os.environ.get(var, "")
@@ -736,6 +772,21 @@ class TorchMemorySaverBackend:
     else in the process may call ``torch_memory_saver.pause()`` without a tag.
     ``expandable_segments`` must be off.
 
+    In ``torch`` hook mode the library also ends the process (``exit(1)``) when its
+    allocator frees a block outside a region, which is what the regions' memory pools
+    do when they are destroyed at interpreter exit: every process that used a region
+    exited with status 1 (seen on an H200, torch 2.11, torch_memory_saver 0.0.10; its
+    own tests ignore the status). The first backend of a process therefore registers
+    an ``atexit`` hook that marks the exiting thread as inside a region, so those
+    frees go through and the process exits with its own status.
+
+    The host copies (``cpu_backup_parts``) are the library's pinned CPU backups, which
+    it allocates at each pause and frees at each resume unless it retains them
+    (``retain_cpu_backup``): pinning 3 GiB took 1.8 s per sleep on the H200, 30 times
+    a pinned copy. ``retain_host_copies`` (default) turns retention on for the
+    process, like ``HostCopyBackend``'s ``cache_host_buffers``: the host keeps the
+    paused bytes' worth of pinned memory while the model is awake.
+
     Args:
         device: a CUDA device.
         name: prefix of the tags (one manager per model: ``actor``, ``critic``).
@@ -744,6 +795,10 @@ class TorchMemorySaverBackend:
             process-wide singleton; default ``preload`` when the process was started
             with its ``LD_PRELOAD`` hook, else ``torch``. Ignored (the mode in force
             is kept) when it was already in use, unless it contradicts an explicit one.
+        retain_host_copies: keep the pinned CPU backups across wake-ups (the
+            library's ``retain_cpu_backup``, process-wide: turned on by any backend
+            that asks for it, never turned off). Ignored by a torch_memory_saver
+            without it.
 
     Raises:
         ValueError: not CUDA, the extra is missing, ``name`` is taken by a live
@@ -765,6 +820,7 @@ class TorchMemorySaverBackend:
         name: str = "model",
         cpu_backup_parts: frozenset[Part] = frozenset(Part),
         hook_mode: HookMode | None = None,
+        retain_host_copies: bool = True,
     ) -> None:
         if device.type != "cuda":
             raise ValueError(
@@ -792,6 +848,9 @@ class TorchMemorySaverBackend:
             )
         self._tms: Any = torch_memory_saver
         self.hook_mode: HookMode = _resolve_hook_mode(self._tms, hook_mode)
+        if self.hook_mode == "torch":
+            _accept_pool_frees_at_exit(self._tms)
+        self.retain_host_copies = retain_host_copies and _retain_cpu_backups(self._tms)
         self.device = device
         self.prefix = name
         self.cpu_backup_parts = cpu_backup_parts

@@ -187,8 +187,8 @@ def nccl_communicators(groups: Iterable[Any]) -> list[SuspendableComm]:
             backend = group._get_backend(cuda)
         except (RuntimeError, ValueError, AttributeError):
             continue
-        if type(backend).__name__ != "ProcessGroupNCCL" or not hasattr(backend, "suspend"):
-            continue
+        if type(backend).__name__ != "ProcessGroupNCCL":
+            continue  # one without suspend() (torch < 2.12) is refused, with a warning
         if id(backend) in seen or not _has_communicator(backend):
             continue
         seen.add(id(backend))
@@ -267,10 +267,13 @@ class CommunicatorSuspender:
                 for comm in comms:
                     comm.suspend()
                     done.append(comm)
-            except RuntimeError as exc:
+            except (RuntimeError, AttributeError) as exc:  # old NCCL; torch without suspend()
                 for comm in reversed(done):
                     comm.resume()
-                reg.unsupported = " ".join(str(exc).split())[:300]
+                reason = " ".join(str(exc).split())[:300]
+                if isinstance(exc, AttributeError):
+                    reason = f"torch {torch.__version__}: {reason}"
+                reg.unsupported = reason
                 log.warning(
                     "%s: NCCL communicators stay on the device while asleep (suspend refused: "
                     "%s; it needs NCCL >= 2.29.7 and torch's ProcessGroupNCCL.suspend)",
