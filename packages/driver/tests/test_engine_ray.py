@@ -517,3 +517,38 @@ def test_the_cluster_and_the_refit_group_listen_on_loopback_only(engines: list[A
     wide = sorted(s for s in found if not is_loopback(s[1]))
     assert wide == [], f"listening beyond loopback (pid, address, port): {wide}"
     ray.kill(actor)
+
+
+def test_every_group_in_flight_shares_a_round_and_control_calls_never_wait() -> None:
+    """The run's engines get a thread per group it may have in flight (all of them can
+    be on one engine) plus control threads: 80 groups in flight decode as ONE round (a
+    fixed 64 threads made two rounds, twice the decode steps), and control calls are
+    answered while they decode instead of queueing behind them."""
+    from ppo_driver._engines import CONTROL_THREADS, engine_concurrency
+    from ppo_driver.config import load_config
+
+    cfg, _ = load_config(None, ["async_rl.max_prompts_in_flight=80"])
+    assert engine_concurrency(cfg) == 80 + CONTROL_THREADS
+    (e,) = launch_embedded_engines(
+        1, model=SPEC, run_seed=11, num_cpus=1, max_concurrency=engine_concurrency(cfg)
+    )
+    ray.get(e.health.remote(), timeout=300)
+    ray.get([e.set_step_delay.remote(0.1), e.set_gather_window.remote(0.5)])
+    width = len(DATA.prompt_ids(0))
+    same = [i for i in range(len(DATA)) if len(DATA.prompt_ids(i)) == width]
+    params = dataclasses.replace(PARAMS, stop_token_ids=())  # every group: 14 steps
+    refs = [
+        e.generate.remote(
+            [GroupRequest(prompt_index=i, prompt_ids=DATA.prompt_ids(i), params=params)]
+        )
+        for i in (same[k % len(same)] for k in range(80))
+    ]
+    deadline = time.monotonic() + 120
+    while (health := ray.get(e.health.remote(), timeout=120)).extra["busy"] < 80:
+        assert time.monotonic() < deadline, f"the round never held all 80 groups: {health}"
+        time.sleep(0.05)
+    finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    outs = ray.get(refs, timeout=300)
+    ray.kill(e)
+    assert finished == []  # the control call was answered while all 80 decoded
+    assert health.extra["rounds"] == 1 and len(outs) == 80

@@ -35,6 +35,20 @@ def _refit_backend(cfg: DriverConfig) -> str:
     return "nccl" if cfg.rollout.engine == "sglang" and not cfg.cluster.colocate else "gloo"
 
 
+CONTROL_THREADS = 8
+"""Engine threads beyond the generate calls the rollout manager may have in flight: for
+evaluation (two calls per engine) and the control calls (refit, pause, release, health),
+which must never queue behind generation."""
+
+
+def engine_concurrency(cfg: DriverConfig) -> int:
+    """An engine's Ray ``max_concurrency``: every group the run may have in flight (all of
+    them can land on one engine) gets a thread, so the engine batches them all into its
+    rounds (a fixed 64 generated a batch of 128 groups in two rounds, twice the decode
+    steps), plus :data:`CONTROL_THREADS`."""
+    return cfg.max_in_flight + CONTROL_THREADS
+
+
 def _launch_engines(
     cfg: DriverConfig,
     model: ModelSpec,
@@ -63,6 +77,7 @@ def _launch_engines(
                 **cfg.rollout.engine_kwargs,
             },
             released=cfg.cluster.colocate,
+            max_concurrency=engine_concurrency(cfg),
         )
     else:
         engines = launch_embedded_engines(
@@ -74,6 +89,7 @@ def _launch_engines(
             num_gpus=placed[0].num_gpus / per_bundle,
             step_delay_s=cfg.rollout.decode_delay_s,
             released=cfg.cluster.colocate,
+            max_concurrency=engine_concurrency(cfg),
         )
     for engine in engines:
         on_exit("engine", partial(_kill, engine))

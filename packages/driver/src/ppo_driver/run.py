@@ -398,7 +398,6 @@ def _rollout_manager(
     sampler: Sampler,
     refitter: WeightRefitter,
 ) -> RolloutManager:
-    lookahead = cfg.async_rl.sampler.max_lookahead_versions
     return RolloutManager(
         engines=engines,
         dataset=workload.dataset,
@@ -412,7 +411,7 @@ def _rollout_manager(
             stop_token_ids=workload.stop_token_ids,
         ),
         prompts_per_step=cfg.batch_groups,
-        max_in_flight=cfg.async_rl.max_prompts_in_flight or cfg.batch_groups * (1 + lookahead),
+        max_in_flight=cfg.max_in_flight,
         groups_per_call=1,
         on_engine_restart=refitter.restore_engine,
         reward_timeout_s=cfg.rollout.reward_timeout_s,

@@ -249,6 +249,13 @@ class DriverConfig(_Section):
         return self.ppo.num_prompts_per_step
 
     @property
+    def max_in_flight(self) -> int:
+        """Groups the rollout manager keeps dispatched at most (``max_prompts_in_flight``;
+        0: the batch times ``1 + max_lookahead_versions``)."""
+        lookahead = self.async_rl.sampler.max_lookahead_versions
+        return self.async_rl.max_prompts_in_flight or self.batch_groups * (1 + lookahead)
+
+    @property
     def min_groups(self) -> int:
         return self.async_rl.min_groups_for_streaming_train
 
