@@ -533,7 +533,9 @@ def test_every_group_in_flight_shares_a_round_and_control_calls_never_wait() -> 
         1, model=SPEC, run_seed=11, num_cpus=1, max_concurrency=engine_concurrency(cfg)
     )
     ray.get(e.health.remote(), timeout=300)
-    ray.get([e.set_step_delay.remote(0.1), e.set_gather_window.remote(0.5)])
+    # 14 decode steps of 0.3 s: a 4 s window for the control call; a 2 s gather window
+    # so that a slow submission on a busy machine cannot split the round
+    ray.get([e.set_step_delay.remote(0.3), e.set_gather_window.remote(2.0)])
     width = len(DATA.prompt_ids(0))
     same = [i for i in range(len(DATA)) if len(DATA.prompt_ids(i)) == width]
     params = dataclasses.replace(PARAMS, stop_token_ids=())  # every group: 14 steps
