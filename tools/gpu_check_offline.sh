@@ -6,8 +6,8 @@
 #   tools/gpu_check_wheels.sh             # where PyPI is reachable: fills .whl/ (~5 MB)
 #   OUT=gpu-check tools/gpu_check_offline.sh   # on the GPU machine, from the repo root
 #
-# What it runs, each step killed at its limit and the next run anyway (158 s on
-# one H200, 2026-12-04): the `gpu` tests of ppo-lifecycle and ppo-trainer (offload backends on CUDA,
+# What it runs, each step killed at its limit and the next run anyway (158 s on one H200,
+# 2026-12-04): the `gpu` tests of ppo-lifecycle and ppo-trainer (offload backends on CUDA,
 # the cross-process memory test, torch_memory_saver, Megatron on CUDA, NCCL suspend) and
 # the offload benchmark. What needs Ray, sglang or Transformer Engine (the driver's
 # 3-step train, the sglang tests) is left to `uv run nox -s gpu`, which installs them.
@@ -51,6 +51,8 @@ for d in ("megatron-core", "torch-memory-saver", "transformers", "safetensors", 
     except m.PackageNotFoundError:
         print(d, "missing")
 EOF
+    # this check runs the machine's own torch; the project locks another one
+    echo "uv.lock: torch $(awk '$0 == "name = \"torch\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock)"
 } >"$OUT/env.txt" 2>&1
 
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
