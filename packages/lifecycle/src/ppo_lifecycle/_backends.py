@@ -670,7 +670,9 @@ def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
     return mode
 
 
-_exit_hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # singletons given the exit hook
+# ids of the singletons given the exit hook (the hook keeps its singleton alive, so an
+# id here is never reused by another object)
+_exit_hooked: set[int] = set()
 
 
 def _tms_library(tms: Any) -> Any | None:
@@ -684,9 +686,9 @@ def _accept_pool_frees_at_exit(tms: Any) -> None:
     """Once per singleton: at interpreter exit, mark the exiting thread as inside a
     region, so the ``torch`` hook mode's free (called when the regions' memory pools
     are destroyed, after ``atexit``) does not end the process with status 1."""
-    if tms in _exit_hooked:
+    if id(tms) in _exit_hooked:
         return
-    _exit_hooked.add(tms)
+    _exit_hooked.add(id(tms))
 
     def accept() -> None:
         library = _tms_library(tms)
