@@ -41,11 +41,15 @@ def _settings(overrides: list[str]) -> list[tuple[str, int | None]]:
     return [(f"min {low}", low), (f"min {batch // 2}", batch // 2), ("full batch", None)]
 
 
+PER_SAMPLE = False
+"""``--per-sample``: fit every sample alike, ignoring the recorded chunk widths."""
+
+
 def _predict(run: Path, *, skip: int, minimum: int, steps: int) -> float:
     from ppo_driver.simulate import fit_run
     from ppo_sampler import simulate
 
-    fit = fit_run(run, skip_steps=skip)
+    fit = fit_run(run, skip_steps=skip, widths=not PER_SAMPLE)
     workload = fit.workload.with_min_groups(minimum)
     return simulate(
         workload, fit.generation, fit.costs, fit.lengths, steps=steps + 3, warmup_steps=1
@@ -64,7 +68,14 @@ def main() -> None:
     parser.add_argument(
         "--refit", type=Path, default=None, help="no runs: fit and predict the runs kept there"
     )
+    parser.add_argument(
+        "--per-sample",
+        action="store_true",
+        help="fit costs per sample, ignoring the chunks' widths (to compare the two fits)",
+    )
     args = parser.parse_args()
+    global PER_SAMPLE
+    PER_SAMPLE = args.per_sample
     if args.refit is not None:
         results, measured = _fit_and_predict(args.refit, args.profiles.split(","), args.steps)
         _report(results, measured, [os.getloadavg()[0]], 0.0)

@@ -121,6 +121,11 @@ def test_streaming_chunks_counters_and_outputs(
     assert [r["train/actor_forwards_per_sample"] for r in rows] == [1.0, 1.0, 1.0]
     # per-chunk numbers are kept, one entry per chunk
     assert all(len(r["chunk/pg"]) == r["train/chunks"] for r in rows)
+    # each chunk's padded width (prompt + its longest response; ppo-driver simulate
+    # scales the costs with it): one per chunk, the widest holds the step's longest
+    for r in rows:
+        assert len(r["train/chunk_widths"]) == r["train/chunks"]
+        assert max(r["train/chunk_widths"]) > max(r["rollout/group_len_max"])
     trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     phases = {e["cat"] for e in trace if e.get("ph") == "X"}
     assert {

@@ -15,12 +15,14 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from driver_testlib import TINY_RUN
 from ppo_driver.cli import main
-from ppo_driver.simulate import fit_run, simulate_run
+from ppo_driver.simulate import _widths, fit_run, simulate_run
 from ppo_driver.trace import TraceEvent
 from ppo_sampler import simulate
 
@@ -28,7 +30,7 @@ RUN = Path(__file__).resolve().parent / "data" / "sim_run"
 FULL_RUN = RUN.parent / "sim_run_full"
 
 
-def _rows(run: Path) -> list[dict[str, object]]:
+def _rows(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -212,3 +214,51 @@ def test_untimed_time_is_charged_per_model_call(run: Path) -> None:
     assert fit.costs.step_overhead_s == fit.costs.chunk_overhead_s == 0.0
     assert fit.costs.calls_per_step(1, logprob_pass=True) == 12
     assert fit.costs.calls_per_step(1, logprob_pass=False) == 6
+
+
+def _with_widths(tmp_path: Path, run: Path, widths: Callable[[dict[str, Any]], list[int]]) -> Path:
+    """A copy of ``run`` whose metrics rows record ``widths(row)`` as the chunks' padded
+    widths (the fitted data recorded none: ppo-driver 0.8.1 did not write them)."""
+    out = tmp_path / run.name
+    shutil.copytree(run, out)
+    rows = _rows(run)
+    for r in rows:
+        r["train/chunk_widths"] = widths(r)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def test_a_run_without_widths_is_fitted_per_sample() -> None:
+    assert fit_run(RUN).costs.scaling == "sample"
+
+
+def test_widths_scale_the_costs_per_padded_token(tmp_path: Path) -> None:
+    """Every chunk padded to the step's width (a 4-token prompt + the step's longest
+    response): the costs are the per-sample fit's, per sample of the mean width, and
+    the fit still reproduces the run's step time with the costs scaled per chunk."""
+
+    def prompt_plus(r: dict[str, Any]) -> list[int]:
+        return [4 + max(r["rollout/group_len_max"])] * len(r["train/chunk_groups"])
+
+    flat = fit_run(_with_widths(tmp_path / "a", RUN, prompt_plus))
+    plain = fit_run(RUN)
+    assert flat.costs.scaling == "padded" and flat.costs.prompt_tokens == 4
+    widest = [4 + max(r["rollout/group_len_max"]) for r in _rows(RUN)[1:]]
+    assert flat.costs.reference_tokens == pytest.approx(sum(widest) / len(widest))
+    assert flat.costs.critic_train_per_sample == pytest.approx(plain.costs.critic_train_per_sample)
+    assert flat.costs.actor_train_per_sample == pytest.approx(plain.costs.actor_train_per_sample)
+
+    predicted = simulate(flat.workload, flat.generation, flat.costs, flat.lengths).step_s
+    assert abs(predicted - flat.measured_step_s) / flat.measured_step_s < 0.05
+
+
+def test_widths_weigh_chunks_by_their_groups_and_critic_by_the_step() -> None:
+    """Chunks of 16 and 48 groups padded to 10 and 16 tokens, longest response 12: a
+    sample's mean padded width is (16 * 10 + 48 * 16) / 64 = 14.5, the prompt 16 - 12,
+    and the step batch (critic training) is 16 / 14.5 times wider."""
+    row = {"train/chunk_widths": [10, 16], "train/chunk_groups": [16, 48]}
+    rows = [{**row, "rollout/group_len_max": [12, 3, 7]}, {**row, "rollout/group_len_max": [11]}]
+    w = _widths(rows)  # type: ignore[arg-type]
+    assert w is not None
+    assert (w.reference, w.prompt, w.step_ratio) == (14.5, 4.5, 16 / 14.5)
+    assert _widths([{"train/chunk_groups": [64]}]) is None  # type: ignore[list-item]

@@ -37,7 +37,7 @@ from ppo_driver.rollout import (
     synthetic_records,
     tiny_qwen2_config,
 )
-from ppo_driver.rollout._sampling import _top_p_filter
+from ppo_driver.rollout._sampling import _top_p_filter, draw_tokens
 from ppo_trainer.testing import head_magnitude, model_terms, rounding_bound
 
 TOK = CharTokenizer()
@@ -119,6 +119,50 @@ def test_greedy_is_seed_independent(model: Any, dataset: PromptDataset) -> None:
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
     a = generate_group(model, dataset.prompt_ids(2), params=greedy, seeds=[1, 2])
     assert a[0].token_ids == a[1].token_ids
+
+
+def _generators(rows: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(1000 + i) for i in range(rows)]
+
+
+@pytest.mark.parametrize("vocab", [22, 1000])
+def test_a_drawn_row_does_not_depend_on_the_other_rows(vocab: int) -> None:
+    """Every row of a batched draw (mixed temperatures, top-p and greedy rows) equals
+    the same row drawn alone with a generator in the same state: token AND log-prob,
+    bitwise, for batches of 1..300 rows."""
+    g = torch.Generator().manual_seed(0)
+    kinds = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_p=0.3),
+    ]
+    for rows in (1, 5, 37, 300):
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        params = [kinds[i % len(kinds)] for i in range(rows)]
+
+        tokens, lps = draw_tokens(logits, params=params, generators=_generators(rows))
+        for i, gen in enumerate(_generators(rows)):
+            tok, lp = draw_tokens(logits[i : i + 1].clone(), params=[params[i]], generators=[gen])
+            assert (tok[0], lp[0]) == (tokens[i], lps[i]), (rows, i)
+
+
+def test_draws_follow_the_distribution_and_skip_filtered_tokens() -> None:
+    """Inverse-transform sampling from each row's own generator: 20,000 draws of
+    p = (0.1, 0.2, 0.7) land within 5 binomial standard deviations of p; with top-p 0.75
+    the 0.1 token (outside the smallest prefix reaching 0.75) is never drawn, and the
+    others follow the renormalised (0.2, 0.7) / 0.9."""
+    n = 20_000
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]])).repeat(n, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    for top_p, want in ((1.0, [0.1, 0.2, 0.7]), (0.75, [0.0, 0.2 / 0.9, 0.7 / 0.9])):
+        tokens, _ = draw_tokens(logits, params=SamplingParams(top_p=top_p), generators=gens)
+        freq = torch.bincount(torch.tensor(tokens), minlength=3).double() / n
+        p = torch.tensor(want, dtype=torch.float64)
+        bound = 5 * torch.sqrt(p * (1 - p) / n)
+        assert torch.all((freq - p).abs() <= bound), (top_p, freq)
+        if top_p < 1.0:
+            assert freq[0] == 0.0
 
 
 def test_top_p_keeps_the_smallest_prefix() -> None:

@@ -261,7 +261,86 @@ def test_cli_takes_the_call_overhead(capsys: pytest.CaptureFixture[str]) -> None
     assert with_calls > base + 0.5  # several calls a step
 
 
+# -- costs that follow the lengths (scaling) ---------------------------------------------
+def test_work_of_a_pass_in_each_scaling() -> None:
+    groups = [[2, 6], [4, 4]]  # two groups of two samples: responses of 2..6 tokens
+    assert TrainingCosts().work(groups) == 4.0
+    padded = TrainingCosts(scaling="padded", reference_tokens=8.0, prompt_tokens=2.0)
+    assert padded.work(groups) == 4 * (2 + 6) / 8  # every row padded to the widest
+    packed = dataclasses.replace(padded, scaling="packed")
+    assert packed.work(groups) == (4 + 8 + 6 + 6) / 8  # each row's own tokens
+
+
+@pytest.mark.parametrize("scaling", ["padded", "packed"])
+def test_equal_lengths_at_the_reference_cost_what_samples_do(scaling: str) -> None:
+    """Every response 37 tokens, the prompt 3: a sample is exactly the reference one,
+    so the timeline is the per-sample model's, to the bit, for every minimum."""
+    same = MeasuredLengths(lengths=(37,))
+    wl = Workload(batch=32, min_groups=4, samples_per_group=2, lookahead=0)
+    scaled = dataclasses.replace(
+        COSTS, scaling=scaling, reference_tokens=40.0, prompt_tokens=3.0, policy_epochs=3
+    )
+    plain = dataclasses.replace(COSTS, policy_epochs=3)
+    for low in (4, 32):
+        a = simulate(wl.with_min_groups(low), FAST, plain, same, steps=3)
+        b = simulate(wl.with_min_groups(low), FAST, scaled, same, steps=3)
+        assert [s.end_s for s in a.steps] == [s.end_s for s in b.steps]
+
+
+def test_padded_full_batch_pays_the_widest_row_and_chunks_their_own() -> None:
+    """Three short groups (10 tokens) and one long (40): the streamed chunks (the
+    three short ones, then the long one) are padded to their own longest response, the
+    full batch to 40 for every row."""
+    lengths = MeasuredLengths(lengths=(10, 10, 10, 40), resample=False, per_group=True)
+    costs = TrainingCosts(
+        actor_train_per_sample=1.0, scaling="padded", reference_tokens=10.0, prompt_tokens=0.0
+    )
+    wl = Workload(batch=4, min_groups=1, lookahead=0)
+    stream = simulate(wl, FAST, costs, lengths, steps=1, warmup_steps=0).steps[0]
+    full = simulate(wl.with_min_groups(4), FAST, costs, lengths, steps=1, warmup_steps=0).steps[0]
+    assert stream.chunk_groups == (3, 1)
+    assert stream.chunk_work == (3.0, 4.0)
+    assert full.chunk_work == (16.0,)
+    assert full.busy_s == 16.0 and stream.busy_s == 7.0  # work in seconds: 1 s per sample
+    per_sample = dataclasses.replace(costs, scaling="sample")
+    flat = simulate(wl, FAST, per_sample, lengths, steps=1, warmup_steps=0).steps[0]
+    assert flat.busy_s == 4.0  # what scaling="sample" would have said
+
+
+def test_packed_tail_chunk_costs_more_than_its_share() -> None:
+    """Long-tail lengths, costs per token: the last chunk, which holds the groups that
+    finished last (the longest), costs more per sample than the earlier ones."""
+    lengths = LognormalLengths(median=100, sigma=0.8, max_tokens=2000)
+    costs = dataclasses.replace(COSTS, scaling="packed", reference_tokens=100.0)
+    wl = Workload(batch=64, min_groups=16, samples_per_group=4, lookahead=0)
+    for step in simulate(wl, FAST, costs, lengths, steps=4, warmup_steps=0).steps:
+        per_sample = [w / (g * 4) for w, g in zip(step.chunk_work, step.chunk_groups, strict=True)]
+        assert len(per_sample) > 1 and per_sample[-1] > max(per_sample[:-1])
+
+
+def test_cli_takes_the_scaling(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--batch", "8", "--min-groups", "8", "--lengths", "10,40", "--json"]
+    argv += ["--tokens-per-s", "100", "--concurrency", "100", "--steps", "3"]
+    assert main([*argv, "--scaling", "sample"]) == 0
+    flat = json.loads(capsys.readouterr().out)["full_batch_step_s"]
+    assert main([*argv, "--scaling", "padded", "--reference-tokens", "25"]) == 0
+    padded = json.loads(capsys.readouterr().out)["full_batch_step_s"]
+    assert padded > flat  # rows of 10 and 40 tokens padded to 40 (+512 prompt tokens)
+
+
 BAD = [
+    pytest.param(
+        lambda: TrainingCosts(scaling="tokens"), "scaling='tokens' is unknown", id="scaling"
+    ),
+    pytest.param(
+        lambda: TrainingCosts(scaling="padded"), "needs reference_tokens", id="no-reference"
+    ),
+    pytest.param(
+        lambda: TrainingCosts(scaling="packed", reference_tokens=0.0),
+        "reference_tokens=0.0",
+        id="zero-reference",
+    ),
+    pytest.param(lambda: TrainingCosts(prompt_tokens=-1.0), "prompt_tokens=-1.0", id="neg-prompt"),
     pytest.param(
         lambda: TrainingCosts(call_overhead_s=-0.5), "call_overhead_s=-0.5", id="neg-call"
     ),

@@ -650,6 +650,7 @@ class TrainPump:
             "rollout/group_len_max": _group_len_max(batch),
             "train/chunks": len(s.chunk_groups),
             "train/chunk_groups": s.chunk_groups,
+            "train/chunk_widths": [c.width for c in s.chunks],  # padded tokens of a row
             "train/switches": self.pair.switches - switches,
             "perf/step_s": step_s,
             "perf/wait_s": s.waited,

@@ -10,6 +10,11 @@ step: the phases' seconds, as the trace timed them, and each group's longest res
   window (first dispatch to last arrival) over its longest group, minus the engine's
   gather window; every group in flight decodes at once (the embedded engine batches a
   round; sglang batches continuously);
+* widths: each chunk's padded row (``train/chunk_widths``): the costs scale with them
+  (``TrainingCosts(scaling="padded")``: a chunk pads its rows to its longest, a full
+  batch and critic training to the step's), per sample of the run's mean chunk width;
+  the prompt's tokens are the step's widest row minus its longest response. A run
+  recorded before the widths were (ppo-driver 0.8.1) is fitted per sample;
 * training costs per sample (value forward, the actor's first forward + backward over
   the step's samples and its repeat passes, epochs 2..K, critic training per epoch),
   per optimizer step, per refit, per model switch, and per model call: what remains of
@@ -79,6 +84,8 @@ _StepRow = TypedDict(
         "perf/switch_s": float,
         "train/chunks": float,
         "train/switches": float,
+        "train/chunk_groups": list[int],
+        "train/chunk_widths": list[int],
     },
     total=False,
 )
@@ -113,10 +120,11 @@ def _mean(rows: Sequence[_StepRow], key: _Seconds | _Counts) -> float:
     return statistics.fmean(as_float(r.get(key) or 0.0) for r in rows)
 
 
-def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
+def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) -> FittedRun:
     """Fit the simulator's models on ``run_dir`` (``config.yaml`` + ``metrics.jsonl``),
     leaving out the first ``skip_steps`` steps (start-up warms caches) when later ones
-    exist.
+    exist. ``widths=False``: costs per sample even when the run recorded its chunks'
+    widths.
 
     Raises:
         ValueError: naming the file and what is missing (no run there, no steps
@@ -165,7 +173,9 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1) -> FittedRun:
     generation = _fit_generation(used, workload, rollout, _observed_ends(trace))
     steps = {int(r["step"]) for r in used}
     calls = _update_calls(trace, steps)
-    costs = _fit_costs(used, workload, ppo, calls, _actor_passes(trace, steps))
+    costs = _fit_costs(
+        used, workload, ppo, calls, _actor_passes(trace, steps), _widths(used) if widths else None
+    )
     return FittedRun(
         workload=workload,
         generation=generation,
@@ -286,12 +296,42 @@ def _actor_passes(events: Sequence[TraceEvent], steps: set[int]) -> tuple[float,
     return statistics.fmean(firsts), statistics.fmean(repeats)
 
 
+@dataclass(frozen=True)
+class _Widths:
+    """The fitted run's row widths, in tokens."""
+
+    reference: float
+    """The mean padded width of a sample's row in its chunk: the width the per-sample
+    costs are for."""
+    prompt: float
+    step_ratio: float
+    """The step batch's width over ``reference``, in the mean (critic training)."""
+
+
+def _widths(rows: Sequence[_StepRow]) -> _Widths | None:
+    """The chunks' widths weighted by their groups (a group's samples share its chunk),
+    or None when a row lacks them (a run recorded before they were)."""
+    if not all(r.get("train/chunk_widths") and r.get("train/chunk_groups") for r in rows):
+        return None
+    chunked = weights = stepped = 0.0
+    prompts: list[float] = []
+    for r in rows:
+        widths, groups = r["train/chunk_widths"], r["train/chunk_groups"]
+        chunked += sum(w * g for w, g in zip(widths, groups, strict=True))
+        weights += sum(groups)
+        stepped += max(widths) * sum(groups)
+        prompts.append(max(widths) - max(r["rollout/group_len_max"]))
+    reference = chunked / weights
+    return _Widths(reference, max(0.0, statistics.median(prompts)), stepped / chunked)
+
+
 def _fit_costs(
     rows: Sequence[_StepRow],
     workload: Workload,
     ppo: Mapping[str, JSONValue],
     calls: Mapping[str, float],
     passes: tuple[float, float] | None = None,
+    widths: _Widths | None = None,
 ) -> TrainingCosts:
     samples = workload.batch * workload.samples_per_group
     epochs = as_int(ppo.get("ppo_epochs", 1))
@@ -333,10 +373,13 @@ def _fit_costs(
         )
     )
     untimed = max(0.0, _mean(rows, "perf/step_s") - timed)
+    # critic training runs over the step batch, padded to its widest chunk
+    critic_width = widths.step_ratio if widths is not None else 1.0
     costs = TrainingCosts(
         value_forward_per_sample=value,
         actor_train_per_sample=actor,
-        critic_train_per_sample=_mean(rows, "perf/critic_s") / (samples * critic_epochs),
+        critic_train_per_sample=_mean(rows, "perf/critic_s")
+        / (samples * critic_epochs * critic_width),
         actor_forward_per_sample=forward,
         actor_epoch_per_sample=later,
         critic_epochs=critic_epochs,
@@ -344,6 +387,9 @@ def _fit_costs(
         optimizer_s=optimizer,
         refit_s=_mean(rows, "perf/refit_s"),
         switch_s=per_switch,
+        scaling="sample" if widths is None else "padded",
+        reference_tokens=None if widths is None else widths.reference,
+        prompt_tokens=0.0 if widths is None else widths.prompt,
     )
     call = untimed / costs.calls_per_step(chunks, logprob_pass=logprob_pass)
     return replace(costs, call_overhead_s=call)
@@ -398,6 +444,7 @@ def describe(fit: FittedRun) -> str:
             f"fitted on {fit.steps_used} step(s): measured {fit.measured_step_s:.3f} s/step",
             f"  generation: {g.engines} engine(s), {g.concurrency} sequences at once, "
             f"{g.seconds_per_token * 1e3:.1f} ms/token/sequence, batching={g.batching}",
+            f"  rows: {_describe_widths(c)}",
             f"  per sample: value forward {c.value_forward_per_sample * 1e3:.2f} ms, actor "
             f"forward+backward {c.actor_train_per_sample * 1e3:.2f} ms, critic epoch "
             f"{c.critic_train_per_sample * 1e3:.2f} ms",
@@ -406,6 +453,15 @@ def describe(fit: FittedRun) -> str:
             f"{c.switch_s:.3f} s; per chunk {c.chunk_overhead_s:.3f} s; per model call "
             f"{c.call_overhead_s * 1e3:.1f} ms",
         ]
+    )
+
+
+def _describe_widths(c: TrainingCosts) -> str:
+    if c.scaling == "sample":
+        return "every sample costs the same (the run did not record its chunks' widths)"
+    return (
+        f"costs scale with each pass's padded width (prompt {c.prompt_tokens:.0f} + its "
+        f"longest response); per sample of {c.reference_tokens:.1f} tokens"
     )
 
 

@@ -109,6 +109,9 @@ _COST_FLAGS = {
     "chunk_overhead_s": "chunk_overhead_s",
     "step_overhead_s": "step_overhead_s",
     "call_overhead_s": "call_overhead_s",
+    "scaling": "scaling",
+    "reference_tokens": "reference_tokens",
+    "prompt_tokens": "prompt_tokens",
 }
 
 
@@ -133,9 +136,11 @@ def _simulate_parser() -> argparse.ArgumentParser:
         kind = str if flag == "batching" else int if flag in ("concurrency", "engines") else float
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
     for flag in _COST_FLAGS:
-        kind = int if flag.endswith("epochs") else float
+        kind = int if flag.endswith("epochs") else str if flag == "scaling" else float
         help_ = "seconds per sample" if flag in ("value_forward", "actor_train", "actor_forward",
                                                   "critic_train") else None  # fmt: skip
+        if flag == "scaling":
+            help_ = "sample, padded or packed: how a pass's work follows its lengths"
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=help_)
     return p
 

@@ -14,6 +14,9 @@ Sources and assumptions (used by every preset):
   (The MFU range is as we recall the Megatron-LM README; check it before relying on it.)
 * Tokens per sample: a 512-token prompt plus the mean response of the length model
   (lognormal, median 2,500 tokens, sigma 0.6, capped at 32,768: mean ~3,000): ~3,500.
+  The costs scale with tokens (``scaling="packed"``: padding-free passes, a 512-token
+  prompt per sample): a chunk of short responses costs less than one of long ones, so
+  the tail's chunk, which holds the longest responses, costs more than its share.
   The shape is an assumption: reasoning RL reports mean lengths growing to several
   thousand tokens with a tail to the cap (DAPO, arXiv:2503.14476, max 20,480 tokens;
   the long tail is why AReaL, arXiv:2505.24298, and Kimi k1.5, arXiv:2501.12599,
@@ -57,7 +60,8 @@ __all__ = ["PRESETS", "Preset"]
 
 _H100_BF16_FLOPS = 989e12
 _MFU = 0.40
-_TOKENS_PER_SAMPLE = 512 + 3_000
+_PROMPT_TOKENS = 512
+_TOKENS_PER_SAMPLE = _PROMPT_TOKENS + 3_000
 _REASONING = LognormalLengths(median=2_500, sigma=0.6, max_tokens=32_768)
 
 
@@ -82,6 +86,9 @@ def _costs(
         switch_s=switch_s,
         chunk_overhead_s=0.5,
         step_overhead_s=2.0,
+        scaling="packed",
+        reference_tokens=_TOKENS_PER_SAMPLE,
+        prompt_tokens=_PROMPT_TOKENS,
     )
 
 

@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 BATCHING = ("continuous", "rounds")
+SCALING = ("sample", "padded", "packed")
 
 
 def _number(owner: str, name: str, value: object, *, positive: bool = False) -> float:
@@ -223,6 +224,28 @@ class TrainingCosts:
     shipping the call's rows, waiting for the result, the driver's work between calls),
     paid before the call's work on the training timeline; :meth:`calls_per_step` counts
     the calls."""
+    scaling: str = "sample"
+    """How a pass's work follows its samples' lengths (every ``*_per_sample`` cost):
+
+    * ``"sample"`` (default): every sample costs the same (the costs are means);
+    * ``"padded"``: a pass pads its rows to its longest (``prompt_tokens`` + the
+      longest response of the chunk), as the project's trainer does: a chunk's work is
+      its samples x its width / ``reference_tokens``; the repeat epochs run over the
+      chunks at their own widths; a full batch's passes and critic training run at the
+      step's width (its widest row);
+    * ``"packed"``: padding-free passes (sequence packing, as Megatron's THD layout or
+      verl's remove-padding): a pass's work is its samples' tokens (``prompt_tokens`` +
+      each response) / ``reference_tokens``. Lengths given per group
+      (``MeasuredLengths(per_group=True)``) count every sample of a group at its
+      longest.
+
+    With ``"padded"`` or ``"packed"`` the ``*_per_sample`` costs are those of a sample
+    of ``reference_tokens`` tokens."""
+    reference_tokens: float | None = None
+    """The tokens (prompt + response, as padded) a ``*_per_sample`` cost is for; needed
+    by ``scaling`` ``"padded"`` and ``"packed"``."""
+    prompt_tokens: float = 0.0
+    """The prompt's tokens in every row (added to each response's length)."""
 
     def __post_init__(self) -> None:
         own = "TrainingCosts"
@@ -243,13 +266,42 @@ class TrainingCosts:
             _number(own, "actor_epoch_per_sample", self.actor_epoch_per_sample)
         _count(own, "critic_epochs", self.critic_epochs, minimum=1)
         _count(own, "policy_epochs", self.policy_epochs, minimum=1)
+        if self.scaling not in SCALING:
+            raise ValueError(
+                f"{own}: scaling={self.scaling!r} is unknown; choose 'sample' (every sample "
+                "costs the same), 'padded' (a pass pads to its longest row) or 'packed' "
+                "(padding-free passes)"
+            )
+        _number(own, "prompt_tokens", self.prompt_tokens)
+        if self.scaling != "sample":
+            if self.reference_tokens is None:
+                raise ValueError(
+                    f"{own}: scaling={self.scaling!r} needs reference_tokens (the tokens of "
+                    "the sample the *_per_sample costs are for); give it, or use "
+                    "scaling='sample'"
+                )
+            _number(own, "reference_tokens", self.reference_tokens, positive=True)
+        elif self.reference_tokens is not None:
+            _number(own, "reference_tokens", self.reference_tokens, positive=True)
 
-    def chunk_s(self, samples: int, *, backward: bool = True) -> float:
+    def work(self, responses: Sequence[Sequence[int]]) -> float:
+        """A pass's work in samples of ``reference_tokens`` (``scaling="sample"``: its
+        samples). ``responses``: per group of the pass, its samples' response lengths."""
+        samples = sum(len(g) for g in responses)
+        if self.scaling == "sample" or samples == 0:
+            return float(samples)
+        ref = float(self.reference_tokens or 1.0)
+        if self.scaling == "padded":
+            width = self.prompt_tokens + max(max(g) for g in responses if g)
+            return samples * width / ref
+        return sum(self.prompt_tokens * len(g) + sum(g) for g in responses) / ref
+
+    def chunk_s(self, samples: float, *, backward: bool = True) -> float:
         """A chunk's work without the switches (value forward, actor, fixed overhead)."""
         per = self.value_forward_per_sample + (self.actor_train_per_sample if backward else 0.0)
         return self.chunk_overhead_s + per * samples
 
-    def after_chunks_s(self, samples: int, *, logprob_pass: bool) -> float:
+    def after_chunks_s(self, samples: float, *, logprob_pass: bool) -> float:
         """The policy's work after the chunks: optimizer steps and epochs 2..K (with
         ``logprob_pass``, full batch with K > 1: the log-prob forward and all K epochs,
         the first at ``actor_train_per_sample``)."""
@@ -349,6 +401,9 @@ class SimStep:
     chunk_groups: tuple[int, ...]
     busy_s: float
     generation_s: float
+    chunk_work: tuple[float, ...] = ()
+    """Each chunk's work in samples of the costs' reference (``TrainingCosts.work``);
+    empty: its samples."""
 
     @property
     def step_s(self) -> float:
@@ -383,9 +438,13 @@ class SimulationResult:
 
     @property
     def non_final_samples(self) -> float:
-        """Mean samples per step trained in chunks before the last one."""
+        """Mean samples per step trained in chunks before the last one (in samples of
+        the costs' reference tokens when the costs scale with lengths)."""
         spg = self.workload.samples_per_group
-        return statistics.fmean(spg * sum(s.chunk_groups[:-1]) for s in self.measured)
+        return statistics.fmean(
+            sum(s.chunk_work[:-1]) if s.chunk_work else spg * sum(s.chunk_groups[:-1])
+            for s in self.measured
+        )
 
 
 @dataclass(frozen=True)
@@ -529,6 +588,7 @@ class _Run:
         self.admit = 0  # the trainer step the dispatch bound is measured from
         self.first_dispatch: dict[int, float] = {}
         self.last_finish: dict[int, float] = {}
+        self.responses: dict[int, list[int]] = {}  # gid -> its samples' response lengths
 
     def dispatch(self, now: float) -> None:
         """What the rollout manager sends at a poll: prompts in order, lookahead-bound."""
@@ -538,8 +598,13 @@ class _Run:
             if not self.sampler.can_dispatch(step, trainer_step=self.admit):
                 return
             model = self.lengths.model
-            draws = 1 if isinstance(model, MeasuredLengths) and model.per_group else None
-            group_len = max(self.lengths.next() for _ in range(draws or self.wl.samples_per_group))
+            spg = self.wl.samples_per_group
+            if isinstance(model, MeasuredLengths) and model.per_group:
+                responses = [self.lengths.next()] * spg  # each sample at the group's longest
+            else:
+                responses = [self.lengths.next() for _ in range(spg)]
+            group_len = max(responses)
+            self.responses[self.next_gid] = responses
             engine, end = self.gen.finish_time(now, group_len)
             self.first_dispatch.setdefault(step, now)
             heapq.heappush(self.arrivals, (end, self.next_gid, step, self.weight_version, engine))
@@ -580,6 +645,7 @@ class _Run:
         poll = device = start
         busy = 0.0
         chunks: list[int] = []
+        chunk_work: list[float] = []
         claimed: list[int] = []
         remaining = wl.batch
         logprob_pass = wl.min_groups == wl.batch and c.policy_epochs > 1
@@ -588,7 +654,8 @@ class _Run:
             claimed += ids
             remaining -= len(ids)
             chunks.append(len(ids))
-            samples = len(ids) * wl.samples_per_group
+            samples = c.work([self.responses[g] for g in ids])
+            chunk_work.append(samples)
             calls = c.chunk_calls(logprob_pass=logprob_pass) * c.call_overhead_s
             work = c.chunk_s(samples, backward=not logprob_pass) + c.switch_s + calls
             device = max(released, device) + work
@@ -597,22 +664,26 @@ class _Run:
             if remaining:  # the critic wakes while the pump waits (queued switch)
                 device += c.switch_s
                 busy += c.switch_s
-        # the policy's update(s), the early refit, then the next step may be generated
-        samples = wl.batch * wl.samples_per_group
+        # the policy's update(s), the early refit, then the next step may be generated;
+        # epochs 2..K repeat the chunks the actor holds (full batch: its one chunk)
+        kept = sum(chunk_work)
         calls = c.after_chunks_calls(logprob_pass=logprob_pass) * c.call_overhead_s
-        update = c.after_chunks_s(samples, logprob_pass=logprob_pass) + c.refit_s
+        update = c.after_chunks_s(kept, logprob_pass=logprob_pass) + c.refit_s
         update += calls - c.call_overhead_s  # all but critic training's call
         device += update
         self.weight_version += 1
         self.admit = step + 1
         self.arrive_until(device)
-        tail = c.switch_s + c.critic_train_per_sample * samples * c.critic_epochs
+        batch_work = c.work([self.responses[g] for g in claimed])  # the step batch
+        tail = c.switch_s + c.critic_train_per_sample * batch_work * c.critic_epochs
         tail += c.step_overhead_s + c.call_overhead_s
         device += tail
         busy += update + tail
         self.sampler.mark_consumed(claimed)
+        for g in claimed:
+            del self.responses[g]
         generation = self.last_finish[step] - self.first_dispatch[step]
-        return SimStep(step, start, device, tuple(chunks), busy, generation)
+        return SimStep(step, start, device, tuple(chunks), busy, generation, tuple(chunk_work))
 
 
 def simulate(

@@ -23,33 +23,25 @@ def sample_seed(*, run_seed: int, prompt_index: int, sample_index: int, weight_v
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs: [V] -> [V], the smallest prefix (by probability) whose mass reaches
-    ``top_p`` kept and renormalised; the most likely token is always kept."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = torch.sort(probs, descending=True)
-    cumulative = torch.cumsum(sorted_probs, dim=0)
-    drop = (cumulative - sorted_probs) >= top_p
-    drop[0] = False
+def _top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """probs: [V] or [R, V] -> the same shape: per row, the smallest prefix (by
+    probability) whose mass reaches ``top_p`` (a float, or one per row ``[R]``) kept
+    and renormalised; the most likely token is always kept."""
+    if isinstance(top_p, float):
+        if top_p >= 1.0:
+            return probs
+        top_p = torch.tensor(top_p)
+    row = probs.dim() == 1
+    p = probs[None] if row else probs
+    limit = top_p.reshape(-1, 1).to(p.dtype)
+    sorted_probs, order = torch.sort(p, dim=-1, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    drop = (cumulative - sorted_probs) >= limit
+    drop[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return filtered / filtered.sum()
-
-
-def _draw_one(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-) -> tuple[int, float]:
-    """logits: [V] -> (token, its log-prob under ``log_softmax(logits / temperature)``)."""
-    scale = params.temperature if params.temperature > 0 else 1.0
-    # a fresh copy: the row's memory alignment inside the batch must not matter
-    logp = torch.log_softmax(logits.float().clone() / scale, dim=-1)
-    if params.temperature == 0.0:
-        tok = int(torch.argmax(logp).item())
-    else:
-        probs = _top_p_filter(logp.exp(), params.top_p)
-        tok = int(torch.multinomial(probs, 1, generator=gen).item())
-    return tok, float(logp[tok].item())
+    filtered = torch.zeros_like(p).scatter(-1, order, sorted_probs)
+    out = filtered / filtered.sum(dim=-1, keepdim=True)
+    return out[0] if row else out
 
 
 def draw_tokens(
@@ -64,14 +56,37 @@ def draw_tokens(
     Returns (token ids [R], log-probs [R]); the log-prob is taken under
     ``log_softmax(logits / temperature)`` (``temperature == 0``: greedy, the log-prob
     under ``log_softmax(logits)``), before top-p filtering.
+
+    Every row is computed on its own values only (row-wise softmax, cumulative sum and
+    search), so a row's token does not depend on the other rows of the batch; the one
+    random number a sampled row takes per step comes from its own generator (inverse
+    transform sampling: the first token whose cumulative probability exceeds it).
     """
     if logits.dim() != 2 or logits.shape[0] != len(generators):
         raise ValueError(
             f"logits shape {tuple(logits.shape)} does not match {len(generators)} generators"
         )
-    per_row = [params] * len(generators) if isinstance(params, SamplingParams) else list(params)
-    drawn = [_draw_one(logits[i], per_row[i], g) for i, g in enumerate(generators)]
-    return [t for t, _ in drawn], [lp for _, lp in drawn]
+    rows = len(generators)
+    per_row = [params] * rows if isinstance(params, SamplingParams) else list(params)
+    scale = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in per_row])
+    logp = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
+    tokens = torch.argmax(logp, dim=-1)  # greedy rows keep these
+    sampled = [i for i, p in enumerate(per_row) if p.temperature > 0.0]
+    if sampled:
+        index = torch.tensor(sampled)
+        probs = logp[index].exp()
+        top_p = [per_row[i].top_p for i in sampled]
+        if min(top_p) < 1.0:
+            probs = _top_p_filter(probs, torch.tensor(top_p))
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        u = torch.stack(
+            [torch.rand((), generator=generators[i], dtype=torch.float64) for i in sampled]
+        )
+        threshold = (u * cdf[:, -1])[:, None]  # < the row's total: a token always exists
+        drawn = torch.searchsorted(cdf, threshold, right=True)[:, 0]
+        tokens[index] = drawn.clamp_max(logp.shape[1] - 1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    return [int(t) for t in tokens.tolist()], [float(x) for x in chosen.tolist()]
 
 
 class _KVCache(Protocol):
