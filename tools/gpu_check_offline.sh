@@ -14,6 +14,7 @@
 # Logs: $OUT/summary.txt, $OUT/env.txt, one $OUT/<step>.log per step.
 set -u
 cd "$(dirname "$0")/.."
+. tools/uv_lock_version.sh  # locked NAME: the version uv.lock pins
 OUT=${OUT:-gpu-check}
 PY=${PYTHON:-python3}
 read -r -a PIP <<<"${PIP:-$PY -m pip}"  # the pip that installs for $PY
@@ -52,7 +53,7 @@ for d in ("megatron-core", "torch-memory-saver", "transformers", "safetensors", 
         print(d, "missing")
 EOF
     # this check runs the machine's own torch; the project locks another one
-    echo "uv.lock: torch $(awk '$0 == "name = \"torch\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock)"
+    echo "uv.lock: torch $(locked torch)"
 } >"$OUT/env.txt" 2>&1
 
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then

@@ -6,9 +6,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 PYVER=${PYVER:-3.12}
-locked() {  # the version uv.lock pins for a package
-    awk -v n="$1" '$0 == "name = \"" n "\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock
-}
+. tools/uv_lock_version.sh  # locked NAME: the version uv.lock pins
 mkdir -p .whl
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \

@@ -458,7 +458,7 @@ def describe(fit: FittedRun) -> str:
 
 def _describe_widths(c: TrainingCosts) -> str:
     if c.scaling == "sample":
-        return "every sample costs the same (the run did not record its chunks' widths)"
+        return "every sample costs the same (no chunk widths fitted)"
     return (
         f"costs scale with each pass's padded width (prompt {c.prompt_tokens:.0f} + its "
         f"longest response); per sample of {c.reference_tokens:.1f} tokens"

@@ -633,8 +633,9 @@ def _preloaded_hooks() -> list[str]:
     return [p for p in os.environ.get("LD_PRELOAD", "").split(":") if _PRELOAD_MARK in p]
 
 
-# id(singleton) -> the hook mode this module set on it (it applies at first use)
-_set_hook_modes: dict[int, HookMode] = {}
+# id(singleton) -> (the singleton, the hook mode this module set on it; it applies at
+# first use). The entry holds the singleton, so its id is never reused by another object.
+_set_hook_modes: dict[int, tuple[Any, HookMode]] = {}
 
 
 def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
@@ -648,7 +649,8 @@ def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
     if impl is not None:  # already in use (this process made a region or paused before)
         active: HookMode | None = getattr(impl, "_hook_mode", None)
     else:  # set by an earlier backend, applied at the singleton's first use
-        active = _set_hook_modes.get(id(tms))
+        entry = _set_hook_modes.get(id(tms))
+        active = entry[1] if entry is not None else None
     if active is not None and requested is not None and active != requested:
         raise ValueError(
             f"hook_mode={requested!r}: torch_memory_saver in this process already has "
@@ -666,7 +668,7 @@ def _resolve_hook_mode(tms: Any, requested: HookMode | None) -> HookMode:
             f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}. Or use hook_mode='torch'"
         )
     tms.hook_mode = mode
-    _set_hook_modes[id(tms)] = mode
+    _set_hook_modes[id(tms)] = (tms, mode)
     return mode
 
 
