@@ -76,6 +76,7 @@ class World:
     log: list[Call] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
     pump: TrainPump | None = None
+    critic_train_checks: int = 0  # the critic's training runs for this many done() checks
     # the models on the training devices, from the calls' wake-ups and sleeps (the
     # critic is resident at start-up)
     resident: set[str] = field(default_factory=lambda: {"critic"})
@@ -85,8 +86,16 @@ class World:
 
 
 class _Done:
-    def __init__(self, value: Any, label: str) -> None:
-        self.value, self.label = value, label
+    """A call whose work was done at submit; it reports itself running for ``runs``
+    checks of :meth:`done` (the world's ``running_checks``, for the critic's training)."""
+
+    def __init__(self, value: Any, label: str, runs: int = 0) -> None:
+        self.value, self.label, self.runs = value, label, runs
+        self.refs = (label,)
+
+    def done(self) -> bool:
+        self.runs -= 1
+        return self.runs < 0
 
     def result(self) -> GroupResult[Any]:
         return GroupResult(values=[self.value], timeline=[(self.label, 0.0, 0.0)])
@@ -187,7 +196,8 @@ class _Group:
                 )
             )
             value = {"loss/value": 0.0}
-        return _Done(value, f"{self.role}.{method}")
+        runs = self.world.critic_train_checks if method == "train" else 0
+        return _Done(value, f"{self.role}.{method}", runs)
 
     def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> GroupResult[Any]:
         return self.submit(NOW, method, *args, **kwargs).result()
@@ -230,8 +240,17 @@ class _Rollout:
         self.next_gid = 0
         self.batch = world.cfg.batch_groups
         self.n = world.cfg.ppo.num_generations_per_prompt
+        self.wake_ons: list[tuple[Any, ...]] = []  # each poll's wake_on
 
-    def pump(self, *, trainer_step: int, timeout_s: float = 0.0) -> list[int]:
+    @property
+    def groups_in_flight(self) -> int:
+        """A group is "in flight" while the world's engines could generate one more."""
+        return int(not self.engines.paused)
+
+    def pump(
+        self, *, trainer_step: int, timeout_s: float = 0.0, wake_on: Sequence[Any] = ()
+    ) -> list[int]:
+        self.wake_ons.append(tuple(wake_on))
         gid, step = self.next_gid, self.next_gid // self.batch
         ready: list[int] = []
         if not self.engines.paused and self.sampler.can_dispatch(step, trainer_step=trainer_step):
@@ -341,6 +360,28 @@ def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> 
     saved = [c for c in world.log[before:] if c.what == "save_checkpoint"]
     assert sorted(c.who for c in saved) == ["actor", "critic"]
     assert {c.who: c.path for c in saved} == {"actor": "ckpt/actor", "critic": "ckpt/critic"}
+
+
+def test_generation_is_collected_while_the_critic_trains() -> None:
+    """Separate generation devices: while the critic's training runs, the pump keeps
+    filing the next step's groups (polls that also wake when the call ends), so they
+    are not collected and scored on the next step's critical path; it stops polling once
+    the call is done."""
+    world, rollout = _world(*STREAMING)
+    assert world.pump is not None
+    world.critic_train_checks = 3
+    world.pump.run_step()
+    (train,) = _index(world.log, "critic", "train", step=0)
+    polls = [c for c in world.log[train + 1 :] if (c.who, c.what) == ("rollout", "poll")]
+    assert [c.ready for c in polls] == [1, 1, 1]  # step 1's groups, filed while it ran
+    assert rollout.wake_ons[-3:] == [("critic.train",)] * 3
+    assert all(w == () for w in rollout.wake_ons[:-3])  # no call to wake on elsewhere
+    # colocated: the engines are released while the critic trains: nothing to collect
+    world, rollout = _world(*COLOCATED)
+    assert world.pump is not None
+    world.critic_train_checks = 3
+    world.pump.run_step()
+    assert ("critic.train",) not in rollout.wake_ons
 
 
 @pytest.mark.timeout(120)  # the old pump never resumed released engines: a hang

@@ -245,6 +245,22 @@ def test_lookahead_and_in_flight_bounds(engines: list[Any]) -> None:
     assert m.max_step_dispatched == 2 and sorted(m.buffer.ready_ids()) == list(range(4, 12))
 
 
+def test_a_poll_also_ends_when_a_call_to_wake_on_ends(engines: list[Any]) -> None:
+    """``pump(wake_on=...)``: the driver waits for generation and for another call (a
+    trainer's) at once, returning as soon as either is done."""
+    ray.get([e.set_step_delay.remote(0.3) for e in engines])  # a group takes >= 0.3 s
+    try:
+        m = _manager(engines, InOrderSampler(max_lookahead_versions=0))
+        other = ray.put("done")  # another call that has ended
+        assert m.pump(trainer_step=0, timeout_s=120, wake_on=[other]) == []
+        assert m.groups_in_flight == 3  # nothing back yet: the poll did not wait for it
+        ready = m.pump(trainer_step=0, timeout_s=120)  # without: waits for a group
+        assert ready and m.groups_in_flight + len(ready) <= 4
+    finally:
+        ray.get([e.set_step_delay.remote(0.0) for e in engines])
+    _run_until(m, lambda: m.idle() and len(m.buffer) == 4, trainer_step=0)
+
+
 def _flaky_reward(*, response: str, record: Any, finish_reason: str) -> float:
     if record["id"] == 2:
         raise ZeroDivisionError("the grader crashed")

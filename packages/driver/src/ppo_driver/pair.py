@@ -228,9 +228,11 @@ class TrainPair:
         old_values: Tensor,
         epochs: int,
         mini_batch_size: int,
+        meanwhile: Callable[[Pending[Metrics]], object] | None = None,
     ) -> Metrics:
         """The critic's epochs over the step batch; metrics averaged over its
-        data-parallel ranks."""
+        data-parallel ranks. ``meanwhile(call)`` runs once the call is started (other
+        driver work while it runs, e.g. collecting generation, until ``call.done()``)."""
         p = self.plan(Role.CRITIC, Phase.CRITIC_TRAIN, step)
         pending = self.critic.submit_rows(
             self._options(p),
@@ -241,7 +243,10 @@ class TrainPair:
             epochs=epochs,
             mini_batch_size=mini_batch_size,
         )
-        out = self._started(p, pending).result()
+        started = self._started(p, pending)
+        if meanwhile is not None:
+            meanwhile(pending)
+        out = started.result()
         return {k: v / len(out.values) for k, v in out.summed().items()}
 
     def actor_counters(self) -> Metrics:

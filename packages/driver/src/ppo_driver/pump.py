@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from ppo_lifecycle import Phase, Role
@@ -59,7 +59,10 @@ from ppo_driver.config import DriverConfig
 from ppo_driver.metrics import NonFiniteError, check_finite_metrics
 from ppo_driver.pair import Metrics, Started, TrainPair
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import Rows, mini_batch_order
+from ppo_driver.workers import Pending, Rows, mini_batch_order
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 __all__ = [
     "ChunkGate",
@@ -129,9 +132,21 @@ class ChunkGate:
 class RolloutLink(Protocol):
     """What the pump needs from the rollout manager (``ppo_driver.rollout.RolloutManager``)."""
 
-    def pump(self, *, trainer_step: int, timeout_s: float = 0.0) -> list[int]:
-        """Dispatch what the sampler admits, wait up to ``timeout_s``, file finished
-        groups (replay buffer + ``sampler.add``); returns the ids that became ready."""
+    def pump(
+        self,
+        *,
+        trainer_step: int,
+        timeout_s: float = 0.0,
+        wake_on: Sequence[ObjectRef[Any]] = (),
+    ) -> list[int]:
+        """Dispatch what the sampler admits, wait up to ``timeout_s`` (or until a call of
+        ``wake_on`` ends), file finished groups (replay buffer + ``sampler.add``);
+        returns the ids that became ready."""
+        ...
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups dispatched and not yet back."""
         ...
 
     def claim(self, group_ids: Sequence[int]) -> dict[str, torch.Tensor]:
@@ -506,6 +521,7 @@ class TrainPump:
             old_values=batch.need("old_values")[order],
             epochs=ppo.critic_ppo_epochs,
             mini_batch_size=per_rank,
+            meanwhile=None if colocated else self._feed_while,
         )
         if colocated:
             if s.policy:
@@ -545,11 +561,13 @@ class TrainPump:
         self.pair.save(directory, step=step)
 
     # ---------------------------------------------------------------- generation feed
-    def feed_generation(self, timeout_s: float = 0.0) -> int:
+    def feed_generation(
+        self, timeout_s: float = 0.0, *, wake_on: Sequence[ObjectRef[Any]] = ()
+    ) -> int:
         """Let the rollout manager dispatch (lookahead-bounded) and file finished groups."""
         before = time.perf_counter()
         admit = self.completed_steps + (1 if self._policy_ahead else 0)
-        ready = self.rollout.pump(trainer_step=admit, timeout_s=timeout_s)
+        ready = self.rollout.pump(trainer_step=admit, timeout_s=timeout_s, wake_on=wake_on)
         top = int(getattr(self.rollout, "max_step_dispatched", self.completed_steps))
         for st in range(self.completed_steps, top + 1):  # generation windows open at dispatch
             self._gen_window.setdefault(st, [before, before])
@@ -558,6 +576,13 @@ class TrainPump:
             window = self._gen_window.setdefault(self._step_of(int(gid)), [now, now])
             window[1] = now
         return len(ready)
+
+    def _feed_while(self, call: Pending[object]) -> None:
+        """File the groups that finish while ``call`` runs (critic training overlapping
+        the next step's generation): the driver would otherwise only wait, and collect
+        and score them after it, on the next step's critical path."""
+        while self.rollout.groups_in_flight and not call.done():
+            self.feed_generation(timeout_s=self._poll_s, wake_on=call.refs)
 
     def _wait_for_chunk(self, step: int) -> tuple[list[int], float]:
         """Block until the sampler releases a chunk of ``step``; returns (ids, seconds waited)."""
@@ -576,9 +601,14 @@ class TrainPump:
                     log.info(
                         "step %d: %d stale group(s) evicted and re-dispatched", step, len(evicted)
                     )
-            self.feed_generation(timeout_s=max(self.cfg.async_rl.poll_interval_s, 0.001) * 25)
+            self.feed_generation(timeout_s=self._poll_s)
 
     # ---------------------------------------------------------------- small pieces
+    @property
+    def _poll_s(self) -> float:
+        """The longest wait for a generation result before checking again."""
+        return max(self.cfg.async_rl.poll_interval_s, 0.001) * 25
+
     def _maybe_fail(self, point: str, step: int) -> None:
         if self.fail_at == f"{step}:{point}":
             raise InjectedFailure(f"injected failure at step {step}: {point}")

@@ -205,6 +205,10 @@ class Pending(Generic[R_co]):
     leaders: Sequence[int]
     lost: Callable[[ray.exceptions.RayActorError], WorkerLost]
 
+    def done(self) -> bool:
+        """Whether every rank has finished (without waiting)."""
+        return not ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)[1]
+
     def result(self) -> GroupResult[R_co]:
         try:
             per_rank = ray.get(list(self.refs))

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -231,17 +231,26 @@ class RolloutManager:
         return not self._in_flight and not self._pending
 
     # -- the pump -----------------------------------------------------------------------------
-    def pump(self, *, trainer_step: int, timeout_s: float = 0.0) -> list[int]:
+    def pump(
+        self,
+        *,
+        trainer_step: int,
+        timeout_s: float = 0.0,
+        wake_on: Sequence[ObjectRef[Any]] = (),
+    ) -> list[int]:
         """Dispatch what may be dispatched, wait up to ``timeout_s`` for results, file
-        them, dispatch again. Returns the group ids that became ready (in order)."""
+        them, dispatch again. Returns the group ids that became ready (in order).
+
+        ``wake_on``: other calls (e.g. a trainer's) whose end also ends the wait."""
         import ray
 
         self._probe_dead()
         self._dispatch(trainer_step)
         ready: list[int] = []
         if self._in_flight:
-            done, _ = ray.wait(list(self._in_flight), num_returns=1, timeout=timeout_s)
-            if done:
+            woke, _ = ray.wait([*self._in_flight, *wake_on], num_returns=1, timeout=timeout_s)
+            done = [ref for ref in woke if ref in self._in_flight]
+            if woke:
                 more, _ = ray.wait(
                     list(self._in_flight), num_returns=len(self._in_flight), timeout=0
                 )
