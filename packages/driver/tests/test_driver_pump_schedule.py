@@ -87,7 +87,7 @@ class World:
 
 class _Done:
     """A call whose work was done at submit; it reports itself running for ``runs``
-    checks of :meth:`done` (the world's ``running_checks``, for the critic's training)."""
+    checks of :meth:`done` (the world's ``critic_train_checks``, for the critic's training)."""
 
     def __init__(self, value: Any, label: str, runs: int = 0) -> None:
         self.value, self.label, self.runs = value, label, runs
