@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-
-import transformers
+from typing import TYPE_CHECKING
 
 from ppo_driver.config.packages import _SIZE_FIELDS, ROLES, model_path
 from ppo_driver.config.problems import ConfigProblem, ValidationReport
 from ppo_driver.config.schema import DriverConfig, ModelConfig, Role
+
+if TYPE_CHECKING:  # imported where a model directory is read (the built-in model needs none)
+    import transformers
 
 
 def hf_config(source: str) -> transformers.PretrainedConfig:
@@ -30,6 +32,8 @@ def hf_config(source: str) -> transformers.PretrainedConfig:
 
 @functools.lru_cache(maxsize=8)
 def _hf_config_read(source: str, mtime_ns: int, size: int) -> transformers.PretrainedConfig:
+    import transformers
+
     config: transformers.PretrainedConfig = transformers.AutoConfig.from_pretrained(source)
     return config
 

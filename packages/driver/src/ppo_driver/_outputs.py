@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ppo_trainer import ModelSpec, save_hf_checkpoint
-from transformers import AutoTokenizer
 
 from ppo_driver._faults import _not_file_only
 from ppo_driver._json import as_float, as_int
@@ -53,6 +52,8 @@ def _export_policy(cfg: DriverConfig, pump: TrainPump, spec: ModelSpec, out: Pat
         save_hf_checkpoint(weights=weights, spec=spec, path=tmp, role="policy")
         source = cfg.policy.model_path
         if source is not None:
+            from transformers import AutoTokenizer  # only for a model directory
+
             AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(str(tmp))
             generation = Path(source) / "generation_config.json"
             if generation.is_file():

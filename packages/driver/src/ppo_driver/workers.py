@@ -33,7 +33,7 @@ import ray
 import torch
 from ppo_lifecycle import Action, Part, Transition
 from ppo_placement import Slot
-from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, Mesh
+from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, Mesh, ModelSpec
 from torch import Tensor
 
 __all__ = [
@@ -246,15 +246,18 @@ NOW = CallOptions()
 """No lifecycle transition around the call, nothing to wait for."""
 
 
-def _preload_model_modules() -> None:
-    """Import the model-building modules (transformers' auto classes, which the backends
-    build every model through) now, at process start, rather than in ``build``.
+def _preload_model_modules(spec: ModelSpec | None) -> None:
+    """Import the modules that build the model of ``spec`` now, at process start, rather
+    than in ``build``: transformers' auto classes for a model directory (the built-in
+    model needs only torch, imported already).
 
     Every rank process starts at once, but the driver builds the models one at a time;
     a process that imported these in ``build`` did it after the previous model was
     built (about 4 s on a busy 2-core machine, serialised per model). Here the imports
     of all ranks overlap each other and the engines' start-up instead. Nothing is
     allocated: the lifecycle rule that two models never need to fit at once holds."""
+    if spec is None or spec.path is None:
+        return
     import transformers
 
     transformers.AutoModelForCausalLM  # noqa: B018 (the attribute access imports it)
@@ -278,7 +281,7 @@ class _Host:
             log_to_file(*log_file)
         self._build_args = (worker_cls, config, rank, world_size, init)
         self.worker: ActorWorker | CriticWorker | None = None
-        _preload_model_modules()
+        _preload_model_modules(getattr(config, "model", None))  # (tests pass no config)
 
     def build(self) -> Mesh:
         """Build the model (a collective across the group's ranks); returns the mesh."""

@@ -1,9 +1,11 @@
-"""The ``torch`` backend: Hugging Face transformers models, plain torch DDP-by-hand.
+"""The ``torch`` backend: Hugging Face models, plain torch DDP-by-hand.
 
-Policy and reference: ``AutoModelForCausalLM`` (Qwen2 from ``ModelSpec`` with seeded
-random weights, or a local HF directory, safetensors only). Critic: the same
-architecture as ``AutoModelForTokenClassification`` with ``num_labels=1`` (the base
-model plus a ``score`` linear head), so a critic export loads back with transformers.
+Policy and reference: a ``ModelSpec`` without ``path`` builds the Qwen2 architecture
+with seeded random weights, in plain torch (``ppo_trainer._qwen2``: transformers'
+names, initial values and numerics, without importing transformers); a local HF
+directory loads with ``AutoModelForCausalLM`` (safetensors only). Critic: the same architecture as
+``AutoModelForTokenClassification`` with ``num_labels=1`` (the base model plus a
+``score`` linear head), so a critic export loads back with transformers.
 Data parallelism: every rank holds the full model; ``all_reduce_grads`` sums the
 flattened gradients over the default process group (gloo on CPU, NCCL on CUDA).
 Models stay in eval mode (no dropout), so chunked and full-batch runs agree.
@@ -43,6 +45,7 @@ from ppo_trainer._offload import (
     nccl_communicators,
     resolve_offload_backend,
 )
+from ppo_trainer._qwen2 import Qwen2CausalLM, Qwen2Spec, Qwen2TokenValue
 
 __all__ = [
     "TorchBackend",
@@ -81,16 +84,30 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _hf_config(spec: ModelSpec, **extra: Any) -> Any:
+    """transformers' ``Qwen2Config`` of a spec without ``path`` (imports transformers)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(**spec.hf_config_kwargs(), use_cache=False, **extra)
 
 
-def build_causal_lm(spec: ModelSpec, *, device: torch.device | str = "cpu") -> nn.Module:
-    """The causal LM of ``spec``: seeded random weights, or ``spec.path`` (safetensors)."""
+def build_causal_lm(
+    spec: ModelSpec, *, device: torch.device | str = "cpu", plain_torch: bool = False
+) -> nn.Module:
+    """The causal LM of ``spec``: seeded random weights, or ``spec.path`` (safetensors).
+
+    A transformers ``Qwen2ForCausalLM`` (``AutoModelForCausalLM``), unless
+    ``plain_torch`` and the spec has no ``path``: then the same architecture in plain
+    torch (``ppo_trainer._qwen2``: transformers' parameter names, the same initial values
+    bit for bit, the same forward; no ``generate`` or ``save_pretrained``), which does
+    not import transformers. The workers and the embedded engine build that one."""
+    dtype = _TORCH_DTYPES[spec.dtype]
+    if spec.path is None and plain_torch:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            built: nn.Module = Qwen2CausalLM(Qwen2Spec(**spec.hf_config_kwargs()), dtype=dtype)
+        return built.to(device).eval()
     from transformers import AutoModelForCausalLM
 
-    dtype = _TORCH_DTYPES[spec.dtype]
     if spec.path is not None:
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, use_safetensors=True)
         _own_storage(model)
@@ -111,11 +128,21 @@ def _own_storage(model: nn.Module) -> None:
             t.data = t.data.clone()
 
 
-def build_value_model(spec: ModelSpec, *, device: torch.device | str = "cpu") -> nn.Module:
-    """The critic of ``spec``: base model + ``score`` head (``num_labels=1``, no dropout)."""
+def build_value_model(
+    spec: ModelSpec, *, device: torch.device | str = "cpu", plain_torch: bool = False
+) -> nn.Module:
+    """The critic of ``spec``: base model + ``score`` head (``num_labels=1``, no dropout);
+    transformers' ``Qwen2ForTokenClassification``, or with ``plain_torch`` (and no
+    ``path``) the plain-torch twin, as :func:`build_causal_lm`."""
+    dtype = _TORCH_DTYPES[spec.dtype]
+    if spec.path is None and plain_torch:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed + 1)
+            arch = Qwen2Spec(**spec.hf_config_kwargs(), num_labels=1)
+            built: nn.Module = Qwen2TokenValue(arch, dtype=dtype)
+        return built.to(device).eval()
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    dtype = _TORCH_DTYPES[spec.dtype]
     if spec.path is not None:
         # a causal-LM checkpoint gets a new head: seeded, so every data-parallel rank and
         # every run draws the same one (a head already in the checkpoint is loaded)
@@ -496,7 +523,7 @@ class TorchBackend:
         self.communicators = CommunicatorSuspender(self._communicators, name=role)
 
     def build_policy(self) -> TorchTrainModel:
-        module = build_causal_lm(self.config.model, device=self.device)
+        module = build_causal_lm(self.config.model, device=self.device, plain_torch=True)
         return TorchTrainModel(
             module,
             kind="lm",
@@ -509,7 +536,7 @@ class TorchBackend:
         )
 
     def build_reference(self) -> TorchFrozenModel:
-        module = build_causal_lm(self.config.model, device=self.device)
+        module = build_causal_lm(self.config.model, device=self.device, plain_torch=True)
         module.requires_grad_(False)
         return TorchFrozenModel(
             module,
@@ -520,7 +547,7 @@ class TorchBackend:
         )
 
     def build_critic(self) -> TorchTrainModel:
-        module = build_value_model(self.config.model, device=self.device)
+        module = build_value_model(self.config.model, device=self.device, plain_torch=True)
         return TorchTrainModel(
             module,
             kind="value",

@@ -27,6 +27,10 @@ def build_model(
     ``transformers.PretrainedConfig`` (random init seeded by ``seed``, default 0); or a
     path to a local HF model directory.
     """
+    if isinstance(source, ModelSpec):
+        # exactly the trainer's construction: same seed, same weights, same names (the
+        # built-in model does not import transformers)
+        return build_causal_lm(source, device=device, plain_torch=True).eval()
     import transformers
     from transformers import PretrainedConfig
 
@@ -41,9 +45,6 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0 if seed is None else seed)
             model = auto.from_config(source)
-    elif isinstance(source, ModelSpec):
-        # exactly the trainer's construction: same seed, same weights, same names
-        return build_causal_lm(source, device=device).eval()
     else:
         raise ValueError(
             f"model source {type(source).__name__}: pass a ppo_trainer.ModelSpec, a "
