@@ -363,19 +363,23 @@ def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> 
 
 
 def test_generation_is_collected_while_the_critic_trains() -> None:
-    """Separate generation devices: while the critic's training runs, the pump keeps
-    filing the next step's groups (polls that also wake when the call ends), so they
-    are not collected and scored on the next step's critical path; it stops polling once
-    the call is done."""
+    """Separate generation devices: the next step's generation is dispatched once the
+    critic's training call is queued (the critic does not wait for one engine call per
+    group), and while that training runs the pump keeps filing the next step's groups
+    (polls that also wake when the call ends), so they are not collected and scored on
+    the next step's critical path; it stops polling once the call is done."""
     world, rollout = _world(*STREAMING)
     assert world.pump is not None
     world.critic_train_checks = 3
     world.pump.run_step()
     (train,) = _index(world.log, "critic", "train", step=0)
     polls = [c for c in world.log[train + 1 :] if (c.who, c.what) == ("rollout", "poll")]
-    assert [c.ready for c in polls] == [1, 1, 1]  # step 1's groups, filed while it ran
-    assert rollout.wake_ons[-3:] == [("critic.train",)] * 3
+    before = [c for c in world.log[:train] if (c.who, c.what) == ("rollout", "poll")]
+    # the dispatch, then step 1's groups, filed while it ran
+    assert [c.ready for c in polls] == [1, 1, 1, 1]
+    assert rollout.wake_ons[-4:] == [()] + [("critic.train",)] * 3
     assert all(w == () for w in rollout.wake_ons[:-3])  # no call to wake on elsewhere
+    assert sum(c.ready for c in before) == 8  # step 0's own groups only, before it
     # colocated: the engines are released while the critic trains: nothing to collect
     world, rollout = _world(*COLOCATED)
     assert world.pump is not None

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from driver_testlib import TINY_RUN, assert_same_checkpoint
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.pump import InjectedFailure
@@ -66,9 +67,14 @@ def streaming_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
     run_dir = tmp_path_factory.mktemp("streaming")
     handler = _ListHandler()
     logging.getLogger("ppo_driver").addHandler(handler)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
         result = train(_cfg(), run_dir=run_dir, keep_ray=True)
+        # the driver runs with one intra-op thread, and gives the caller's setting back
+        assert torch.get_num_threads() == 2, "train() did not restore torch's thread count"
     finally:
+        torch.set_num_threads(threads)
         logging.getLogger("ppo_driver").removeHandler(handler)
     return run_dir, handler.lines, result
 

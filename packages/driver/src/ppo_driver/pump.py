@@ -337,9 +337,8 @@ class TrainPump:
             self._maybe_fail("after_policy_update", step)
             if not colocated:
                 self._refit_trained(s)  # early refit: before critic training
-        if not colocated:  # the next step's generation overlaps critic training
-            self._policy_ahead = True
-            self.feed_generation()
+        if not colocated:  # the next step's generation overlaps critic training: it is
+            self._policy_ahead = True  # dispatched once the critic's calls are queued
         critic = self._critic_train(s, batch, colocated=colocated)
         ids = self.gate.finish_step()  # release consumed rows, then count the step
         self.rollout.release(ids)
@@ -578,9 +577,12 @@ class TrainPump:
         return len(ready)
 
     def _feed_while(self, call: Pending[object]) -> None:
-        """File the groups that finish while ``call`` runs (critic training overlapping
-        the next step's generation): the driver would otherwise only wait, and collect
-        and score them after it, on the next step's critical path."""
+        """Dispatch the next step's generation, then file the groups that finish while
+        ``call`` runs (critic training overlapping that generation): the driver would
+        otherwise only wait, and collect and score them after it, on the next step's
+        critical path. The dispatch (one engine call per group) follows the critic's
+        calls, so the critic does not wait for it."""
+        self.feed_generation()
         while self.rollout.groups_in_flight and not call.done():
             self.feed_generation(timeout_s=self._poll_s, wake_on=call.refs)
 

@@ -170,6 +170,12 @@ def train(
     guard = _SignalGuard()
     guard.install()
     lock: RunLock | None = None
+    # The driver's tensors are a step's rows (batch assembly, GAE, whitening): intra-op
+    # threads buy nothing there, and their spinning takes cores the trainers and engines
+    # share on a small machine (measured: assembling a 256-row step batch took 13 ms with
+    # 2 threads while the workers ran, against 0.1 ms alone). Restored at the end.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         _open_run_dir(run_dir)
         lock = RunLock.acquire(run_dir)
@@ -189,6 +195,7 @@ def train(
             None if isinstance(exc, _Interrupt) else exc
         )
     finally:
+        torch.set_num_threads(threads)
         guard.restore()
         if lock is not None:
             lock.release()

@@ -253,27 +253,30 @@ def build_batch(groups: Sequence[ScoredGroup], *, pad_id: int) -> dict[str, torc
             rows.append((out.prompt_ids, s, r, out.weight_version, out.prompt_index))
     bsz = len(rows)
     seq = max(len(p) + len(s.token_ids) for p, s, *_ in rows)
-    input_ids = torch.full((bsz, seq), pad_id, dtype=torch.long)
-    attention = torch.zeros((bsz, seq), dtype=torch.long)
-    loss_mask = torch.zeros((bsz, seq), dtype=torch.float32)
-    rewards = torch.zeros((bsz, seq), dtype=torch.float32)
-    engine_lp = torch.zeros((bsz, seq), dtype=torch.float32)
-    sample_rewards = torch.zeros(bsz, dtype=torch.float32)
-    versions = torch.zeros(bsz, dtype=torch.long)
-    prompts = torch.zeros(bsz, dtype=torch.long)
-    for b, (prompt, sample, reward, version, pidx) in enumerate(rows):
+    # one tensor per field from Python lists (a few tensor ops per field, not per row)
+    ids: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    prompt_lens: list[int] = []
+    for prompt, sample, _, _, pidx in rows:
         plen, rlen = len(prompt), len(sample.token_ids)
         if rlen == 0:
             raise ValueError(f"build_batch: prompt {pidx} has an empty response")
-        input_ids[b, :plen] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[b, plen : plen + rlen] = torch.tensor(sample.token_ids, dtype=torch.long)
-        attention[b, : plen + rlen] = 1
-        loss_mask[b, plen : plen + rlen] = 1.0
-        rewards[b, plen + rlen - 1] = reward
-        engine_lp[b, plen : plen + rlen] = torch.tensor(sample.logprobs, dtype=torch.float32)
-        sample_rewards[b] = reward
-        versions[b] = version
-        prompts[b] = pidx
+        tail = seq - plen - rlen
+        ids.append([*prompt, *sample.token_ids, *([pad_id] * tail)])
+        logprobs.append([*([0.0] * plen), *sample.logprobs, *([0.0] * tail)])
+        prompt_lens.append(plen)
+    sample_rewards = torch.tensor([r for _, _, r, _, _ in rows], dtype=torch.float32)
+    versions = torch.tensor([v for _, _, _, v, _ in rows], dtype=torch.long)
+    prompts = torch.tensor([i for _, _, _, _, i in rows], dtype=torch.long)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    engine_lp = torch.tensor(logprobs, dtype=torch.float32)
+    start = torch.tensor(prompt_lens, dtype=torch.long)[:, None]
+    end = start + torch.tensor([len(s.token_ids) for _, s, *_ in rows], dtype=torch.long)[:, None]
+    pos = torch.arange(seq)[None, :]
+    attention = (pos < end).long()
+    loss_mask = ((pos >= start) & (pos < end)).to(torch.float32)
+    rewards = torch.zeros((bsz, seq), dtype=torch.float32)
+    rewards[torch.arange(bsz), end[:, 0] - 1] = sample_rewards
     return {
         "input_ids": input_ids,
         "attention_mask": attention,
