@@ -26,7 +26,7 @@ A model directory (``ModelSpec.path``) always loads through transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -42,8 +42,9 @@ _INIT_STD = 0.02  # transformers' Qwen2Config.initializer_range
 class Qwen2Spec:
     """The architecture's sizes (``ModelSpec.hf_config_kwargs()``), read as ``model.config``.
 
-    ``to_hf()`` gives the matching ``transformers.Qwen2Config`` (it imports transformers),
-    for code that needs transformers' own config (an HF export, Megatron's conversion).
+    ``to_hf()`` gives the matching ``transformers.Qwen2Config`` (it imports transformers):
+    the one place the built-in model's transformers config is made (transformers' own
+    class of a spec, the HF export).
     """
 
     vocab_size: int
@@ -68,23 +69,10 @@ class Qwen2Spec:
         from transformers import Qwen2Config
 
         config_cls: Any = Qwen2Config  # rope_theta: a keyword transformers 5 still reads
-        extra: dict[str, Any] = {}
-        if self.num_labels is not None:
-            extra = {"num_labels": self.num_labels, "classifier_dropout": 0.0}
-        return config_cls(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
-            rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
-            use_cache=self.use_cache,
-            **extra,
-        )
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        if kwargs.pop("num_labels") is not None:  # the value model: no dropout in its head
+            kwargs.update(num_labels=self.num_labels, classifier_dropout=0.0)
+        return config_cls(**kwargs)
 
 
 @dataclass
@@ -142,6 +130,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _repeat_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """``[B, kv_heads, S, D]`` -> ``[B, kv_heads * rep, S, D]``: each key/value head
+    repeated for the ``rep`` query heads that share it (grouped-query attention)."""
+    if rep == 1:
+        return t
+    b, kv, s, d = t.shape
+    return t[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: Qwen2Spec, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -170,18 +167,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer)
         rep = self.heads // self.kv_heads
-        if rep > 1:
-            s = k.shape[2]
-            k = (
-                k[:, :, None]
-                .expand(b, self.kv_heads, rep, s, self.head_dim)
-                .reshape(b, -1, s, self.head_dim)
-            )
-            v = (
-                v[:, :, None]
-                .expand(b, self.kv_heads, rep, s, self.head_dim)
-                .reshape(b, -1, s, self.head_dim)
-            )
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=self.head_dim**-0.5
         )

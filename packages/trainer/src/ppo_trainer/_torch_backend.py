@@ -83,11 +83,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _hf_config(spec: ModelSpec, **extra: Any) -> Any:
-    """transformers' ``Qwen2Config`` of a spec without ``path`` (imports transformers)."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**spec.hf_config_kwargs(), use_cache=False, **extra)
+def _hf_config(spec: ModelSpec, *, num_labels: int | None = None) -> Any:
+    """transformers' ``Qwen2Config`` of a spec without ``path`` (imports transformers);
+    ``num_labels``: the value model's (its head without dropout)."""
+    return Qwen2Spec(**spec.hf_config_kwargs(), num_labels=num_labels).to_hf()
 
 
 def build_causal_lm(
@@ -157,7 +156,7 @@ def build_value_model(
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed + 1)
-            config = _hf_config(spec, num_labels=1, classifier_dropout=0.0)
+            config = _hf_config(spec, num_labels=1)
             model = AutoModelForTokenClassification.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     model.config.use_cache = False
     module: nn.Module = model
