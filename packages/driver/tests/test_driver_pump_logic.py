@@ -23,7 +23,7 @@ from ppo_driver.workers import (
     shard_rows,
 )
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
-from ppo_trainer import ActorWorker, CriticWorker, Mesh
+from ppo_trainer import ActorConfig, ActorWorker, CriticWorker, Mesh
 
 
 def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> list[list[int]]:
@@ -190,7 +190,7 @@ def test_host_builds_on_request_and_calls_with_rows_and_per_sample_tensors() -> 
 
     threads = torch.get_num_threads()
     try:
-        host = _Host(_EchoWorker, None, 0, 1, None)
+        host = _Host(_EchoWorker, ActorConfig(), 0, 1, None)
         assert host.worker is None
         assert host.build().dp_size == 1
     finally:
@@ -226,7 +226,7 @@ def test_host_passes_positional_arguments_after_the_rows() -> None:
 
     threads = torch.get_num_threads()
     try:
-        host = _Host(_Worker, None, 0, 1, None)
+        host = _Host(_Worker, ActorConfig(), 0, 1, None)
         host.build()
     finally:
         torch.set_num_threads(threads)

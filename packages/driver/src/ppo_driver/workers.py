@@ -246,7 +246,7 @@ NOW = CallOptions()
 """No lifecycle transition around the call, nothing to wait for."""
 
 
-def _preload_model_modules(spec: ModelSpec | None) -> None:
+def _preload_model_modules(spec: ModelSpec) -> None:
     """Import the modules that build the model of ``spec`` now, at process start, rather
     than in ``build``: transformers' auto classes for a model directory (the built-in
     model needs only torch, imported already).
@@ -256,7 +256,7 @@ def _preload_model_modules(spec: ModelSpec | None) -> None:
     built (about 4 s on a busy 2-core machine, serialised per model). Here the imports
     of all ranks overlap each other and the engines' start-up instead. Nothing is
     allocated: the lifecycle rule that two models never need to fit at once holds."""
-    if spec is None or spec.path is None:
+    if spec.path is None:
         return
     import transformers
 
@@ -281,7 +281,7 @@ class _Host:
             log_to_file(*log_file)
         self._build_args = (worker_cls, config, rank, world_size, init)
         self.worker: ActorWorker | CriticWorker | None = None
-        _preload_model_modules(getattr(config, "model", None))  # (tests pass no config)
+        _preload_model_modules(config.model)
 
     def build(self) -> Mesh:
         """Build the model (a collective across the group's ranks); returns the mesh."""

@@ -256,7 +256,7 @@ def build_batch(groups: Sequence[ScoredGroup], *, pad_id: int) -> dict[str, torc
     # one tensor per field from Python lists (a few tensor ops per field, not per row)
     ids: list[list[int]] = []
     logprobs: list[list[float]] = []
-    prompt_lens: list[int] = []
+    bounds: list[tuple[int, int]] = []  # (prompt end, response end) per row
     for prompt, sample, _, _, pidx in rows:
         plen, rlen = len(prompt), len(sample.token_ids)
         if rlen == 0:
@@ -264,14 +264,15 @@ def build_batch(groups: Sequence[ScoredGroup], *, pad_id: int) -> dict[str, torc
         tail = seq - plen - rlen
         ids.append([*prompt, *sample.token_ids, *([pad_id] * tail)])
         logprobs.append([*([0.0] * plen), *sample.logprobs, *([0.0] * tail)])
-        prompt_lens.append(plen)
-    sample_rewards = torch.tensor([r for _, _, r, _, _ in rows], dtype=torch.float32)
-    versions = torch.tensor([v for _, _, _, v, _ in rows], dtype=torch.long)
-    prompts = torch.tensor([i for _, _, _, _, i in rows], dtype=torch.long)
+        bounds.append((plen, plen + rlen))
+    _, _, reward_list, version_list, index_list = zip(*rows, strict=True)
+    sample_rewards = torch.tensor(reward_list, dtype=torch.float32)
+    versions = torch.tensor(version_list, dtype=torch.long)
+    prompts = torch.tensor(index_list, dtype=torch.long)
     input_ids = torch.tensor(ids, dtype=torch.long)
     engine_lp = torch.tensor(logprobs, dtype=torch.float32)
-    start = torch.tensor(prompt_lens, dtype=torch.long)[:, None]
-    end = start + torch.tensor([len(s.token_ids) for _, s, *_ in rows], dtype=torch.long)[:, None]
+    start, end = torch.tensor(bounds, dtype=torch.long).unbind(dim=1)
+    start, end = start[:, None], end[:, None]
     pos = torch.arange(seq)[None, :]
     attention = (pos < end).long()
     loss_mask = ((pos >= start) & (pos < end)).to(torch.float32)
