@@ -201,8 +201,7 @@ def test_workers_build_the_plain_model_without_importing_transformers() -> None:
         "import torch\n"
         "from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, ModelSpec\n"
         "from ppo_trainer._qwen2 import Qwen2CausalLM, Qwen2TokenValue\n"
-        "spec = ModelSpec(vocab_size=20, hidden_size=16, intermediate_size=32,\n"
-        "                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)\n"
+        f"spec = ModelSpec(**{dict(TINY.__dict__)!r})\n"  # the tests' tiny model
         "common = dict(model=spec, device='cpu', lr=1e-3)\n"
         "actor = ActorWorker(ActorConfig(**common, kl_loss_coef=0.1))\n"
         "critic = CriticWorker(CriticConfig(**common))\n"
@@ -229,15 +228,7 @@ def test_workers_build_the_plain_model_without_importing_transformers() -> None:
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.strip() == "['Qwen2CausalLM', 'Qwen2TokenValue'] []", out.stdout
         exported = torch.load(weights)
-    spec = ModelSpec(
-        vocab_size=20,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    reference = _hf_causal(spec, spec.seed).state_dict()
+    reference = _hf_causal(TINY, TINY.seed).state_dict()
     assert exported.keys() == reference.keys()
     for name, value in reference.items():
         assert torch.equal(exported[name], value), name
