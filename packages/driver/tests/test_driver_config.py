@@ -25,6 +25,23 @@ def test_default_config_is_valid_and_streams() -> None:
     assert cfg.ppo.adv_estimator.normalization == "previous_step"
 
 
+@pytest.mark.parametrize(
+    ("overrides", "per_call"),
+    [
+        pytest.param([], 4, id="embedded"),
+        pytest.param(["rollout.decode_delay_s=0.1"], 1, id="emulated-device"),
+        pytest.param(["rollout.engine=sglang"], 1, id="sglang"),
+        pytest.param(["rollout.groups_per_call=16"], 16, id="given"),
+        pytest.param(["rollout.groups_per_call=1"], 1, id="given-one"),
+    ],
+)
+def test_groups_per_call(overrides: list[str], per_call: int) -> None:
+    """null: several groups per call only where the calls' CPU is the trainers' (the
+    embedded engine); one per call where groups must stream as they finish."""
+    cfg, _ = load_config(None, overrides, check=False)
+    assert cfg.groups_per_call == per_call
+
+
 def test_streaming_allows_several_epochs_and_the_kl_loss() -> None:
     """Epochs 2..K run over the kept chunks (the reference log-probs are kept with the
     old ones), so neither the epoch count nor a KL loss is refused while streaming."""

@@ -296,6 +296,9 @@ class _Rollout:
     def redispatch_evicted(self) -> list[int]:
         return []
 
+    def take_generate_calls(self, step: int) -> int:
+        return 0
+
 
 def _world(*extra: str) -> tuple[World, _Rollout]:
     cfg, _ = load_config(None, [*TINY_RUN, *extra])

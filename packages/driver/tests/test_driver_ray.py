@@ -120,6 +120,8 @@ def test_streaming_chunks_counters_and_outputs(
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["train/chunks"] for r in rows] == [closing[0], closing[1], closing[2]]
+    # a decode delay emulates a generation device of its own: one engine call per group
+    assert [r["rollout/generate_calls"] for r in rows] == [8, 8, 8]
     # each row times its own step's generation (dispatch to the last group's arrival)
     assert all(r["perf/generation_s"] > 0 for r in rows)
     # one policy epoch: the old log-probs are the training forward's own, so the actor
@@ -404,19 +406,26 @@ def test_streaming_by_arrival_with_epochs_matches_full_batch(tmp_path: Path) -> 
 def test_token_aggregation_streaming_matches_full_batch(tmp_path: Path) -> None:
     """loss_agg=token: the step's valid-token count is unknown until the last chunk, so
     streaming chunks pass a provisional count and the update the true one; the result
-    equals full-batch (which knows the count from its single chunk)."""
+    equals full-batch (which knows the count from its single chunk).
+
+    The full-batch run sends the step's 8 groups in ONE engine call
+    (``rollout.groups_per_call=8``), the streaming run one call per group (null: 1 with
+    a decode delay): how groups travel to the engine changes no sample and no update."""
     runs = {}
-    for name, minimum in (("streaming", 2), ("full", 8)):
+    for name, minimum, per_call in (("streaming", 2, "null"), ("full", 8, "8")):
         result = train(
             _cfg(
                 "run.num_steps=1",
                 "ppo.loss_agg=token",
                 f"async_rl.min_groups_for_streaming_train={minimum}",
+                f"rollout.groups_per_call={per_call}",
             ),
             run_dir=tmp_path / name,
             keep_ray=True,
         )
         runs[name] = result.metrics[0]
     assert runs["streaming"]["train/chunks"] > 1 and runs["full"]["train/chunks"] == 1
+    assert runs["streaming"]["rollout/generate_calls"] == 8
+    assert runs["full"]["rollout/generate_calls"] == 1
     assert runs["streaming"]["actor/valid_tokens"] == runs["full"]["actor/valid_tokens"]
     assert_same_checkpoint(tmp_path / "full", tmp_path / "streaming", 1, samples=SAMPLES)

@@ -770,6 +770,9 @@ CASES = [
         ["rollout.extra={max_count: 500}"], "rollout.extra.max_count", "[1, 99]", id="max-count"
     ),
     pytest.param(["async_rl.poll_interval_s=0"], "async_rl.poll_interval_s", "> 0", id="poll"),
+    pytest.param(
+        ["rollout.groups_per_call=0"], "rollout.groups_per_call", ">= 1", id="groups-per-call"
+    ),
     pytest.param(["cluster.num_cpus=0"], "cluster.num_cpus", ">= 1", id="num-cpus"),
     pytest.param(["ppo.critic_ppo_epochs=0"], "ppo.critic_ppo_epochs", ">= 1", id="critic-ep"),
     pytest.param(

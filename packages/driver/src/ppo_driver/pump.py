@@ -161,6 +161,11 @@ class RolloutLink(Protocol):
         """Queue again the prompts of groups a ``ready_first`` sampler evicted as stale."""
         ...
 
+    def take_generate_calls(self, step: int) -> int:
+        """The engine calls that carried groups of ``step`` (``rollout.groups_per_call``
+        groups each); forgets the count."""
+        ...
+
 
 class GenerationControl(Protocol):
     """The engines as the plan sees them: weights and device sharing."""
@@ -680,6 +685,7 @@ class TrainPump:
             "rollout/reward_max": float(batch.sample_rewards.max()),
             "rollout/response_len_mean": float(batch.loss_mask.sum(dim=1).mean()),
             "rollout/group_len_max": _group_len_max(batch),
+            "rollout/generate_calls": self.rollout.take_generate_calls(s.step),
             "train/chunks": len(s.chunk_groups),
             "train/chunk_groups": s.chunk_groups,
             "train/chunk_widths": [c.width for c in s.chunks],  # padded tokens of a row

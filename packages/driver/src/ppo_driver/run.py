@@ -419,7 +419,7 @@ def _rollout_manager(
         ),
         prompts_per_step=cfg.batch_groups,
         max_in_flight=cfg.max_in_flight,
-        groups_per_call=1,
+        groups_per_call=cfg.groups_per_call,
         on_engine_restart=refitter.restore_engine,
         reward_timeout_s=cfg.rollout.reward_timeout_s,
         file_in_dispatch_order=cfg.async_rl.deterministic_chunks,

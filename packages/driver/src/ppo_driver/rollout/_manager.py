@@ -214,6 +214,7 @@ class RolloutManager:
         # records
         self.failures: list[GroupFailure] = []
         self.dispatch_counts: Counter[int] = Counter()
+        self._calls_of_step: Counter[int] = Counter()  # step -> generate calls carrying it
         self.redispatched: list[int] = []
         self.peak_in_flight = 0
         self.max_step_dispatched = -1
@@ -307,6 +308,7 @@ class RolloutManager:
             for g, s in groups:
                 self.dispatch_counts[g] += 1
                 self.max_step_dispatched = max(self.max_step_dispatched, s)
+            self._calls_of_step.update({s for _, s in groups})
             self.peak_in_flight = max(self.peak_in_flight, self.groups_in_flight)
 
     def _collect(self, ref: ObjectRef[list[GroupOutput]]) -> list[int]:
@@ -455,6 +457,11 @@ class RolloutManager:
         ids = [int(g) for g in group_ids]
         self.buffer.release(ids)
         self.sampler.mark_consumed(ids)
+
+    def take_generate_calls(self, step: int) -> int:
+        """The ``generate`` calls that carried groups of ``step`` (re-dispatches
+        included); forgets the count."""
+        return self._calls_of_step.pop(step, 0)
 
     def redispatch_evicted(self) -> list[int]:
         """Groups a ``ready_first`` sampler evicted as stale: drop them from the buffer
