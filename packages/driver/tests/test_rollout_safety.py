@@ -176,6 +176,34 @@ def test_a_hung_sync_reward_times_out_and_the_next_call_works(release: threading
     assert threading.main_thread().name not in threads
 
 
+def test_the_limit_bounds_each_call_and_a_group_is_one_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The group's sync calls go to the reward thread as ONE job (a thread hand-over per
+    sample cost 0.3 ms each), yet ``timeout_s`` still bounds each call from its own
+    start: three calls of 0.15 s pass a 0.25 s limit although the group takes 0.45 s."""
+    from ppo_driver.rollout import _task
+
+    jobs: list[int] = []
+    run = _task._RewardThread.run
+
+    def counted(self: Any, calls: Any, *, timeout_s: float) -> Any:
+        jobs.append(len(calls))
+        return run(self, calls, timeout_s=timeout_s)
+
+    monkeypatch.setattr(_task._RewardThread, "run", counted)
+
+    def reward(*, response: str, **_: Any) -> float:
+        time.sleep(0.15)
+        return float(len(response))
+
+    start = time.monotonic()
+    scored = score_group(_output(3), record={}, reward_fn=reward, tokenizer=TOK, timeout_s=0.25)
+    assert scored.rewards == (2.0, 2.0, 2.0)
+    assert time.monotonic() - start >= 0.45
+    assert jobs == [3]
+
+
 def test_a_hung_async_reward_is_cancelled() -> None:
     cancelled: list[int] = []
 
