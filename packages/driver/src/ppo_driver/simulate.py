@@ -24,7 +24,11 @@ step: the phases' seconds, as the trace timed them, and each group's longest res
   one or two, so this follows the mode instead of being carried over as a constant).
 
 The simulator (:func:`ppo_sampler.simulate_minimums`) then replays steps through the
-real sampler with these costs. It projects; it does not measure.
+real sampler with these costs. It projects; it does not measure. It hands every group
+over the moment it finishes (``rollout.groups_per_call: 1``); with several groups per
+call (the embedded engine's default, 4) a group really comes back with its call's
+slowest one, so for an embedded-engine run whose groups finish at different times the
+projected chunks start somewhat earlier than they would.
 """
 
 from __future__ import annotations
