@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from driver_testlib import TINY_RUN
 from ppo_driver.cli import main
 from ppo_driver.simulate import _widths, fit_run, simulate_run
@@ -44,6 +45,30 @@ def test_fit_reproduces_the_measured_step_time() -> None:
     assert abs(predicted - fit.measured_step_s) / fit.measured_step_s < 0.05
     # every timed phase is in the model: none of it is left as unexplained overhead
     assert fit.costs.step_overhead_s < 0.2 * fit.measured_step_s
+
+
+@pytest.mark.parametrize(
+    ("rollout", "per_call"),
+    [
+        pytest.param({}, 1, id="recorded-before-the-key"),
+        pytest.param({"groups_per_call": None}, 4, id="null-embedded"),
+        pytest.param({"groups_per_call": None, "decode_delay_s": 0.1}, 1, id="null-delay"),
+        pytest.param({"groups_per_call": 8}, 8, id="given"),
+    ],
+)
+def test_fit_sends_groups_as_the_run_did(
+    tmp_path: Path, rollout: dict[str, Any], per_call: int
+) -> None:
+    """The simulated calls carry the groups per call the run used: its
+    ``rollout.groups_per_call`` resolved as train resolves it, and one per call for a
+    run recorded before the key existed (it sent one group per call)."""
+    for name in ("metrics.jsonl", "trace.json"):
+        shutil.copy(RUN / name, tmp_path)
+    config = yaml.safe_load((RUN / "config.yaml").read_text())
+    assert "groups_per_call" not in config["rollout"]  # data/sim_run predates the key
+    config["rollout"].update(rollout)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    assert fit_run(tmp_path).workload.groups_per_call == per_call
 
 
 def test_fit_of_a_full_batch_run_reproduces_it() -> None:

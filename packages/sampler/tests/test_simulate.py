@@ -118,6 +118,18 @@ def test_free_training_and_switches_make_step_time_the_generation_time(batching:
         assert result.idle_frac == 1.0
 
 
+def test_a_call_hands_its_groups_over_together() -> None:
+    """``groups_per_call=16``: the 88 short groups travel in calls of 16, so the sixth
+    call (8 short + 8 middle groups) comes back with the middle wave and the eighth
+    (8 middle + 8 long) with the long one: 80, 32 and 16 groups arrive, and the chunks
+    follow them, instead of the document's 88 + 40 (one group per call)."""
+    for per_call, chunks in ((1, {(88, 40)}), (16, {(80, 32, 16)})):
+        wl = Workload(batch=128, min_groups=32, lookahead=0, groups_per_call=per_call)
+        assert _chunks(wl, WAVES_88_32_8) == chunks, per_call
+    with pytest.raises(ValueError, match="groups_per_call"):
+        Workload(batch=128, min_groups=32, groups_per_call=0)
+
+
 def test_longest_group_sets_generation_time() -> None:
     gen = GenerationModel(tokens_per_s=100.0, concurrency=10)  # 0.1 s per token
     lengths = MeasuredLengths(lengths=(5, 50, 7), resample=False)
@@ -413,6 +425,8 @@ def test_cli_options_override_the_preset(capsys: pytest.CaptureFixture[str]) -> 
     assert data["rows"][0]["min_groups"] == 4
     assert data["workload"]["batch"] == 16
     assert data["full_batch_step_s"] > 0
+    assert main([*argv, "--groups-per-call", "4", "--steps", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["groups_per_call"] == 4
 
 
 def test_cli_bad_input_exits_with_the_message(capsys: pytest.CaptureFixture[str]) -> None:
@@ -420,6 +434,10 @@ def test_cli_bad_input_exits_with_the_message(capsys: pytest.CaptureFixture[str]
         main(["simulate", "--batch", "16", "--min-groups", "17"])
     assert exc.value.code == 2
     assert "min_groups_for_streaming_train=17 exceeds" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--batch", "16", "--min-groups", "4", "--groups-per-call", "0"])
+    assert exc.value.code == 2
+    assert "groups_per_call" in capsys.readouterr().err
 
 
 def test_cli_without_subcommand_still_prints_the_schedule(

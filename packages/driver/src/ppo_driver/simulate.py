@@ -24,11 +24,9 @@ step: the phases' seconds, as the trace timed them, and each group's longest res
   one or two, so this follows the mode instead of being carried over as a constant).
 
 The simulator (:func:`ppo_sampler.simulate_minimums`) then replays steps through the
-real sampler with these costs. It projects; it does not measure. It hands every group
-over the moment it finishes (``rollout.groups_per_call: 1``); with several groups per
-call (the embedded engine's default, 4) a group really comes back with its call's
-slowest one, so for an embedded-engine run whose groups finish at different times the
-projected chunks start somewhat earlier than they would.
+real sampler with these costs. It projects; it does not measure. Groups travel as the
+run sent them, ``rollout.groups_per_call`` to a call (``Workload.groups_per_call``: a
+call's groups come back together, with its slowest one).
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from ppo_sampler import (
 )
 
 from ppo_driver._json import JSONValue, as_float, as_int
+from ppo_driver.config.schema import groups_per_call
 from ppo_driver.trace import TraceEvent
 
 __all__ = ["FittedRun", "fit_run", "what_if"]
@@ -169,6 +168,7 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
         sampler=name,
         lookahead=as_int(sampler.get(bound, 0)),
         max_in_flight=as_int(async_rl.get("max_prompts_in_flight", 0)),
+        groups_per_call=_groups_per_call(rollout),
     )
     lengths = MeasuredLengths(
         lengths=tuple(int(n) for r in used for n in r["rollout/group_len_max"]), per_group=True
@@ -187,6 +187,19 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
         lengths=lengths,
         measured_step_s=_mean(used, "perf/step_s"),
         steps_used=len(used),
+    )
+
+
+def _groups_per_call(rollout: Mapping[str, JSONValue]) -> int:
+    """The run's groups per engine call: its ``rollout.groups_per_call`` resolved as
+    ``train`` resolved it; 1 for a run recorded before the key (one call per group)."""
+    if "groups_per_call" not in rollout:
+        return 1
+    given = rollout["groups_per_call"]
+    return groups_per_call(
+        None if given is None else as_int(given),
+        engine=str(rollout.get("engine", "embedded")),
+        decode_delay_s=as_float(rollout.get("decode_delay_s") or 0.0),
     )
 
 

@@ -94,6 +94,7 @@ _WORKLOAD_FLAGS = {
     "sampler": "sampler",
     "lookahead": "lookahead",
     "max_in_flight": "max_in_flight",
+    "groups_per_call": "groups_per_call",
 }
 _GENERATION_FLAGS = ("tokens_per_s", "concurrency", "engines", "batching", "latency_s")
 _COST_FLAGS = {

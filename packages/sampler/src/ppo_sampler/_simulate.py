@@ -354,6 +354,9 @@ class Workload:
     ``max_staleness_versions`` (``ready_first``): both bounds get this value."""
     max_in_flight: int = 0
     """``async_rl.max_prompts_in_flight``; 0: ``batch * (1 + lookahead)``."""
+    groups_per_call: int = 1
+    """Groups sent to an engine in one call (the driver's ``rollout.groups_per_call``):
+    a call's groups come back together, when its slowest one is done."""
 
     def __post_init__(self) -> None:
         own = "Workload"
@@ -361,6 +364,7 @@ class Workload:
         _count(own, "samples_per_group", self.samples_per_group, minimum=1)
         _count(own, "alignment", self.alignment, minimum=1)
         _count(own, "max_in_flight", self.max_in_flight, minimum=0)
+        _count(own, "groups_per_call", self.groups_per_call, minimum=1)
         single_chunk_only(batch=self.batch, min_groups=self.min_groups, alignment=self.alignment)
 
     def sampler_config(self) -> SamplerConfig:
@@ -385,6 +389,7 @@ class Workload:
             sampler=self.sampler,
             lookahead=self.lookahead,
             max_in_flight=self.max_in_flight,
+            groups_per_call=self.groups_per_call,
         )
 
 
@@ -535,10 +540,13 @@ class _Generation:
         self.slots = max(1, model.concurrency // spg)  # groups per engine
         self.engines = [_Engine() for _ in range(model.engines)]
 
-    def finish_time(self, now: float, group_len: int) -> tuple[int, float]:
-        """Dispatch a group of ``group_len`` tokens (its longest sample) at ``now``;
-        returns (engine, finish time). The least loaded engine takes it."""
-        index = min(range(len(self.engines)), key=lambda i: (self.engines[i].load, i))
+    def least_loaded(self) -> int:
+        return min(range(len(self.engines)), key=lambda i: (self.engines[i].load, i))
+
+    def finish_time(self, now: float, group_len: int, on: int | None = None) -> tuple[int, float]:
+        """Dispatch a group of ``group_len`` tokens (its longest sample) at ``now`` to
+        engine ``on`` (``None``: the least loaded one); returns (engine, finish time)."""
+        index = self.least_loaded() if on is None else on
         engine = self.engines[index]
         engine.load += 1
         decode = group_len * self.model.seconds_per_token
@@ -591,25 +599,39 @@ class _Run:
         self.responses: dict[int, list[int]] = {}  # gid -> its samples' response lengths
 
     def dispatch(self, now: float) -> None:
-        """What the rollout manager sends at a poll: prompts in order, lookahead-bound."""
-        batch = self.wl.batch
+        """What the rollout manager sends at a poll: prompts in order, lookahead-bound,
+        in calls of up to ``groups_per_call`` groups to the least loaded engine; a
+        call's groups arrive together, when its slowest one is done."""
         while self.in_flight < self.wl.in_flight_limit:
-            step = self.next_gid // batch
-            if not self.sampler.can_dispatch(step, trainer_step=self.admit):
-                return
-            model = self.lengths.model
-            spg = self.wl.samples_per_group
-            if isinstance(model, MeasuredLengths) and model.per_group:
-                responses = [self.lengths.next()] * spg  # each sample at the group's longest
-            else:
-                responses = [self.lengths.next() for _ in range(spg)]
-            group_len = max(responses)
-            self.responses[self.next_gid] = responses
-            engine, end = self.gen.finish_time(now, group_len)
-            self.first_dispatch.setdefault(step, now)
-            heapq.heappush(self.arrivals, (end, self.next_gid, step, self.weight_version, engine))
-            self.next_gid += 1
-            self.in_flight += 1
+            room = self.wl.in_flight_limit - self.in_flight
+            engine = self.gen.least_loaded()
+            call: list[tuple[int, int]] = []  # (gid, step)
+            end = now
+            while len(call) < min(room, self.wl.groups_per_call):
+                step = self.next_gid // self.wl.batch
+                if not self.sampler.can_dispatch(step, trainer_step=self.admit):
+                    break
+                _, finish = self.gen.finish_time(now, self._group_len(self.next_gid), engine)
+                end = max(end, finish)
+                self.first_dispatch.setdefault(step, now)
+                call.append((self.next_gid, step))
+                self.next_gid += 1
+            for gid, step in call:
+                heapq.heappush(self.arrivals, (end, gid, step, self.weight_version, engine))
+            self.in_flight += len(call)
+            if len(call) < self.wl.groups_per_call:
+                return  # the sampler admits no more (or no room): the rest waits
+
+    def _group_len(self, gid: int) -> int:
+        """Draw group ``gid``'s response lengths; returns its longest."""
+        model = self.lengths.model
+        spg = self.wl.samples_per_group
+        if isinstance(model, MeasuredLengths) and model.per_group:
+            responses = [self.lengths.next()] * spg  # each sample at the group's longest
+        else:
+            responses = [self.lengths.next() for _ in range(spg)]
+        self.responses[gid] = responses
+        return max(responses)
 
     def arrive_until(self, now: float) -> None:
         """File every group finished by ``now`` (the sampler's ``add``), then dispatch."""

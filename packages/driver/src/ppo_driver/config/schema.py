@@ -63,6 +63,17 @@ def freeze(section: _Section) -> None:
 #: 4 keeps chunks of 16 groups (``min_groups_for_streaming_train``) four calls apart.
 EMBEDDED_GROUPS_PER_CALL = 4
 
+
+def groups_per_call(given: int | None, *, engine: str, decode_delay_s: float) -> int:
+    """``rollout.groups_per_call`` resolved: ``given``, or for null
+    :data:`EMBEDDED_GROUPS_PER_CALL` with the embedded engine and no decode delay (its
+    calls' CPU is the trainers'), else 1 (each group handed over as it finishes)."""
+    if given is not None:
+        return given
+    on_shared_cores = engine == "embedded" and not decode_delay_s
+    return EMBEDDED_GROUPS_PER_CALL if on_shared_cores else 1
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -273,10 +284,9 @@ class DriverConfig(_Section):
         :data:`EMBEDDED_GROUPS_PER_CALL` for the embedded engine without a
         ``decode_delay_s``, else 1)."""
         ro = self.rollout
-        if ro.groups_per_call is not None:
-            return ro.groups_per_call
-        on_shared_cores = ro.engine == "embedded" and not ro.decode_delay_s
-        return EMBEDDED_GROUPS_PER_CALL if on_shared_cores else 1
+        return groups_per_call(
+            ro.groups_per_call, engine=ro.engine, decode_delay_s=ro.decode_delay_s
+        )
 
     @property
     def min_groups(self) -> int:
