@@ -51,6 +51,8 @@ def test_default_job_reaches_the_target_on_a_quiet_and_a_busy_machine(
     assert len(rewards) == 100
     reached = _first_reach(rewards)
     assert reached is not None, f"10-step mean never reached {TARGET}: last {rewards[-10:]}"
-    # the default streams: the chunk lines and the step metrics say so
-    assert any(r["train/chunks"] > 1 for r in rows) or loaded
+    # the default streams: epoch 1 runs in the chunks, each chunk's forward giving its old
+    # log-probs, so the actor makes 4 passes per sample with 4 epochs (a full batch makes
+    # 5: a separate log-prob forward). How many chunks a step has follows arrival: on 2
+    # cores the next step's groups are usually all back when the pump asks (one chunk)
     assert all(r["train/actor_forwards_per_sample"] == 4 for r in rows)

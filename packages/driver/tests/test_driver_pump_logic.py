@@ -17,7 +17,9 @@ from ppo_driver.pump import ChunkGate, NonFiniteError, check_finite_metrics
 from ppo_driver.workers import (
     NOW,
     GroupResult,
+    Pending,
     TrainGroup,
+    WorkerLost,
     data_parallel_layout,
     mini_batch_order,
     shard_rows,
@@ -287,3 +289,25 @@ def test_a_group_call_the_type_checker_would_refuse_is_refused_before_ray(
     caller, ``Any``) are refused at the call, naming the method, before Ray sees them."""
     with pytest.raises(TypeError, match=message):
         call(_unstarted_group(ActorWorker))
+
+
+def test_a_call_failing_for_another_groups_dead_rank_is_not_blamed_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A critic call queued after an actor call (``CallOptions.after``) fails with the
+    dead actor's error; the critic's group must not name its own rank (the run's fault
+    handler names the rank that died), while its own rank's death is named at once."""
+    import ray
+
+    died = ray.exceptions.ActorDiedError()
+
+    def get(refs: Any) -> Any:
+        raise died
+
+    monkeypatch.setattr(ray, "get", get)
+    lost = WorkerLost("critic", 0, 961, "127.0.0.1", "ActorDiedError")
+    for owned in (False, True):
+        pending: Pending[object] = Pending([], [0], lambda _: lost, lambda _, o=owned: o)
+        with pytest.raises((WorkerLost, ray.exceptions.ActorDiedError)) as info:
+            pending.result()
+        assert info.value is (lost if owned else died)

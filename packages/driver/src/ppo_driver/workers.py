@@ -204,6 +204,7 @@ class Pending(Generic[R_co]):
     refs: Sequence[ray.ObjectRef[tuple[R_co, Timeline]]]
     leaders: Sequence[int]
     lost: Callable[[ray.exceptions.RayActorError], WorkerLost]
+    owns: Callable[[ray.exceptions.RayActorError], bool] = lambda _: True
 
     def done(self) -> bool:
         """Whether every rank has finished (without waiting)."""
@@ -213,7 +214,11 @@ class Pending(Generic[R_co]):
         try:
             per_rank = ray.get(list(self.refs))
         except ray.exceptions.RayActorError as exc:
-            raise self.lost(exc) from exc
+            if self.owns(exc):
+                raise self.lost(exc) from exc
+            # another group's rank died: a call this one waited for (CallOptions.after)
+            # failed, and Ray hands its error on; the run's fault handler names that rank
+            raise
         return GroupResult(
             values=[per_rank[r][0] for r in self.leaders], timeline=list(per_rank[0][1])
         )
@@ -476,7 +481,7 @@ class TrainGroup(Generic[W]):
             )
             for handle, dp in zip(self.handles, self._dp_of, strict=True)
         ]
-        return Pending(refs, self.leaders, self.lost)
+        return Pending(refs, self.leaders, self.lost, self.owns)
 
     def kill(self, *, grace_s: float = 10.0) -> None:
         """End every rank: it exits by itself once its current call returns (within
