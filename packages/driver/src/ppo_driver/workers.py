@@ -199,12 +199,13 @@ class WorkerLost(RuntimeError):
 class Pending(Generic[R_co]):
     """A call started on every rank; :meth:`result` waits for it (``refs`` may order
     later calls: see :attr:`CallOptions.after`). ``leaders``: the rank whose result
-    stands for each data-parallel rank; ``lost``: the group's way to name a dead rank."""
+    stands for each data-parallel rank; ``lost``: the group's way to name a dead rank,
+    for the errors ``owns`` says are about one of its ranks."""
 
     refs: Sequence[ray.ObjectRef[tuple[R_co, Timeline]]]
     leaders: Sequence[int]
     lost: Callable[[ray.exceptions.RayActorError], WorkerLost]
-    owns: Callable[[ray.exceptions.RayActorError], bool] = lambda _: True
+    owns: Callable[[ray.exceptions.RayActorError], bool]
 
     def done(self) -> bool:
         """Whether every rank has finished (without waiting)."""

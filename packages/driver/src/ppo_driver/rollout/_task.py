@@ -556,17 +556,17 @@ def score_group(
             results = job.results
             if job.error is not None:
                 raise job.error
-        pending = {j: r for j, r in enumerate(results) if inspect.isawaitable(r)}
-        rewards = [r if isinstance(r, float) else math.nan for r in results]  # nan: awaited below
-        if pending:
-            tasks = asyncio.run(_await_all(pending, limit))
-            for j, task in tasks.items():
-                rewards[j] = _awaited_reward(task, limit=limit, name=name, prompt=prompt, sample=j)
-        results = []
-    finally:
-        for aw in results:  # never awaited: a failure came first
+    except BaseException:
+        for aw in results:  # never awaited: a later sample's failure came first
             if inspect.iscoroutine(aw):
                 aw.close()
+        raise
+    pending = {j: r for j, r in enumerate(results) if inspect.isawaitable(r)}
+    rewards = [r if isinstance(r, float) else math.nan for r in results]  # nan: awaited below
+    if pending:
+        tasks = asyncio.run(_await_all(pending, limit))
+        for j, task in tasks.items():
+            rewards[j] = _awaited_reward(task, limit=limit, name=name, prompt=prompt, sample=j)
     return ScoredGroup(output=output, rewards=tuple(rewards))
 
 
