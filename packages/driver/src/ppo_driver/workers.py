@@ -20,6 +20,7 @@ method does not take or one of the wrong type, and types the result as ``R``.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -252,16 +253,23 @@ NOW = CallOptions()
 """No lifecycle transition around the call, nothing to wait for."""
 
 
-def _preload_model_modules(spec: ModelSpec) -> None:
-    """Import the modules that build the model of ``spec`` now, at process start, rather
-    than in ``build``: transformers' auto classes for a model directory (the built-in
-    model needs only torch, imported already).
+def _preload_build_modules(spec: ModelSpec) -> None:
+    """Import the modules that ``build`` needs now, at process start, rather than in
+    ``build``:
+
+    * ``torch._dynamo``: every torch optimizer imports it on construction (its methods
+      are wrapped by ``torch._disable_dynamo``, which imports it on first call): about
+      1.1 CPU-s, once per process;
+    * transformers' auto classes for a model directory (the built-in model needs only
+      torch, imported already).
 
     Every rank process starts at once, but the driver builds the models one at a time;
     a process that imported these in ``build`` did it after the previous model was
-    built (about 4 s on a busy 2-core machine, serialised per model). Here the imports
-    of all ranks overlap each other and the engines' start-up instead. Nothing is
-    allocated: the lifecycle rule that two models never need to fit at once holds."""
+    built (serialised per model: the critic's optimizer import alone held the start-up
+    for 0.9 s on an idle 2-core machine, transformers about 4 s on a busy one). Here the
+    imports of all ranks overlap each other and the engines' start-up instead. Nothing
+    is allocated: the lifecycle rule that two models never need to fit at once holds."""
+    importlib.import_module("torch._dynamo")
     if spec.path is None:
         return
     import transformers
@@ -287,7 +295,7 @@ class _Host:
             log_to_file(*log_file)
         self._build_args = (worker_cls, config, rank, world_size, init)
         self.worker: ActorWorker | CriticWorker | None = None
-        _preload_model_modules(config.model)
+        _preload_build_modules(config.model)
 
     def build(self) -> Mesh:
         """Build the model (a collective across the group's ranks); returns the mesh."""
