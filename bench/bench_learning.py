@@ -4,11 +4,15 @@ single-process PPO loop (``bench/minimal_ppo.py``, same task, models, initial we
 hyper-parameters, policy epochs included), same seeds, in one run.
 
 For each seed the runs go back to back, in an order that rotates from seed to seed (so
-that drifting machine load hits all alike), and are compared on the 10-step running mean
-of ``rollout/reward_mean``: steps and wall seconds to 0.8 (wall time counts from the call
-that starts the run: the project's includes starting Ray, the workers and the engine),
-the reward at equal steps, and the last-10 mean. Ratios of the time to 0.8: default /
-full-batch and default / minimal loop (lower is better).
+that drifting machine load hits all alike), each in a fresh Python process (as a user
+starts it: nothing imported or warmed by an earlier run), and are compared on the
+10-step running mean of ``rollout/reward_mean``: steps and wall seconds to 0.8, the
+reward at equal steps, and the last-10 mean. Wall seconds count from the process's
+start (Python, the imports: the project's driver modules or the minimal loop's torch,
+then starting Ray, the workers and the engine, or building the models), and, as a
+second clock, from the call that starts the run (``train()`` / ``minimal_ppo.run()``,
+the imports done). Ratios of the time to 0.8, on both clocks: default / full-batch and
+default / minimal loop (lower is better).
 
 Profiles (``--profile``):
 
@@ -33,6 +37,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +45,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # minimal_ppo.py, beside this file
-
-import minimal_ppo
 
 TARGET = 0.8
 WINDOW = 10
@@ -68,28 +71,68 @@ def at_time(times: list[float], curve: list[float], t: float) -> float | None:
 
 
 def run_project(cfg: Any, root: Path) -> dict[str, Any]:
+    """In the run's own process: ``train()``; wall-clock stamps (``time.time()``) of the
+    call and of every step's end."""
     from ppo_driver.run import train
 
-    times: list[float] = []
-    start = time.perf_counter()
+    stamps: list[float] = []
+    called = time.time()
     result = train(
         cfg,
         run_dir=root,
         overwrite=True,  # a --runs-dir kept from an earlier bench
         keep_ray=False,
-        on_step=lambda _report: times.append(time.perf_counter() - start),
+        on_step=lambda _report: stamps.append(time.time()),
     )
     rewards = [float(m["rollout/reward_mean"]) for m in result.metrics]
     chunks = [int(m["train/chunks"]) for m in result.metrics]
-    return {"rewards": rewards, "times": times, "chunks": chunks}
+    return {"rewards": rewards, "called": called, "stamps": stamps, "chunks": chunks}
 
 
 def run_minimal(cfg: Any) -> dict[str, Any]:
+    """In the run's own process: ``minimal_ppo.run()``, stamped as :func:`run_project`."""
+    import minimal_ppo
+
     args = minimal_ppo.Args.from_driver_config(cfg, log=False)
-    start = time.perf_counter()
-    times: list[float] = []
-    history = minimal_ppo.run(args, on_step=lambda _row: times.append(time.perf_counter() - start))
-    return {"rewards": [float(r["rollout/reward_mean"]) for r in history], "times": times}
+    stamps: list[float] = []
+    called = time.time()
+    history = minimal_ppo.run(args, on_step=lambda _row: stamps.append(time.time()))
+    rewards = [float(r["rollout/reward_mean"]) for r in history]
+    return {"rewards": rewards, "called": called, "stamps": stamps}
+
+
+def load_run_config(name: str, seed: int, overrides: list[str]) -> Any:
+    from ppo_driver.config import load_config
+
+    cfg, report = load_config(
+        FULL_BATCH if name == "full-batch" else None,
+        [*overrides, f"run.seed={seed}", "run.checkpoint_every=0"],
+    )
+    assert report.ok, report
+    cfg.run.progress = False
+    return cfg
+
+
+def child(argv: list[str]) -> None:
+    """``--child NAME SEED OUT RUN_DIR [overrides]``: one run, its result to OUT."""
+    name, seed, out, run_dir, *overrides = argv
+    cfg = load_run_config(name, int(seed), overrides)
+    run = run_minimal(cfg) if name == "minimal" else run_project(cfg, Path(run_dir))
+    Path(out).write_text(json.dumps(run))
+
+
+def spawn_run(name: str, seed: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """One run in a fresh process; ``times``: seconds from the process's start to each
+    step's end, ``times_call``: from the call that starts the run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        argv = [sys.executable, __file__, "--child", name, str(seed), str(out), str(run_dir)]
+        started = time.time()
+        subprocess.run([*argv, *overrides], check=True)
+        run = json.loads(out.read_text())
+    run["times"] = [t - started for t in run["stamps"]]
+    run["times_call"] = [t - run["called"] for t in run["stamps"]]
+    return run
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +147,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "at_steps": {f"{p}%": curve[max(0, n * p // 100 - 1)] for p in (25, 50, 100)},
         "steps_to_target": reach,
         "time_to_target": run["times"][reach] if reach is not None else None,
+        "time_to_target_call": run["times_call"][reach] if reach is not None else None,
+        "first_step_s": run["times"][0],
+        "first_step_call_s": run["times_call"][0],
         "wall_s": run["times"][-1],
     }
 
@@ -120,6 +166,9 @@ PROFILES: dict[str, list[str]] = {
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="task")
@@ -133,8 +182,6 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. run.num_steps=100")
     args = parser.parse_args()
 
-    from ppo_driver.config import load_config
-
     overrides = [*PROFILES[args.profile], *args.overrides]
     names = ["default", "full-batch"] + (["minimal"] if args.profile == "task" else [])
     results: list[dict[str, Any]] = []
@@ -143,18 +190,9 @@ def main() -> None:
         for k, seed in enumerate(args.seeds):
             row: dict[str, Any] = {"seed": seed}
             for name in names[k % len(names) :] + names[: k % len(names)]:
-                cfg, report = load_config(
-                    FULL_BATCH if name == "full-batch" else None,
-                    [*overrides, f"run.seed={seed}", "run.checkpoint_every=0"],
-                )
-                assert report.ok, report
-                cfg.run.progress = False
                 load = os.getloadavg()[0]
-                run = (
-                    run_minimal(cfg)
-                    if name == "minimal"
-                    else run_project(cfg, runs_dir / f"{args.profile}-{name}-s{seed}")
-                )
+                run_dir = runs_dir / f"{args.profile}-{name}-s{seed}"
+                run = spawn_run(name, seed, overrides, run_dir)
                 row[name] = {
                     **summarize(run),
                     "load_before": load,
@@ -168,12 +206,15 @@ def main() -> None:
                 print(
                     f"seed {seed} {name:<10} wall {s['wall_s']:6.1f} s  reward "
                     f"{s['first10']:.3f} -> {s['last10']:.3f}  0.8 at step "
-                    f"{_fmt(s['steps_to_target'], 'd')} / {_fmt(s['time_to_target'], '.1f')} s  "
+                    f"{_fmt(s['steps_to_target'], 'd')} / {_fmt(s['time_to_target'], '.1f')} s "
+                    f"({_fmt(s['time_to_target_call'], '.1f')} s from the call)  first step "
+                    f"{s['first_step_s']:.1f} s ({s['first_step_call_s']:.1f})  "
                     f"load {load:.2f} -> {s['load_after']:.2f}",
                     flush=True,
                 )
             results.append(row)
 
+    cfg = load_run_config("default", args.seeds[0], overrides)
     print()
     print(
         f"profile {args.profile} {' '.join(args.overrides)}: {cfg.run.num_steps} steps of "
@@ -184,7 +225,9 @@ def main() -> None:
         f"{'seed':>4} {'run':<10} {'first10':>7} {'@25%':>6} {'@50%':>6} {'@100%':>6} "
         f"{'wall_s':>7} {'steps->0.8':>10} {'s->0.8':>7} {'multi-chunk':>11}"
     )
-    ratios: dict[str, list[float]] = {other: [] for other in names[1:]}
+    ratios: dict[tuple[str, str], list[float]] = {
+        (other, clock): [] for clock in ("", "_call") for other in names[1:]
+    }
     for row in results:
         for name in names:
             s = row[name]
@@ -195,22 +238,27 @@ def main() -> None:
                 + f" {s['wall_s']:>7.1f} {_fmt(s['steps_to_target'], 'd'):>10} "
                 f"{_fmt(s['time_to_target'], '.1f'):>7} {_fmt(share, '.0%'):>11}"
             )
-        for other in names[1:]:
-            a, b = row["default"]["time_to_target"], row[other]["time_to_target"]
+        for other, clock in ratios:
+            a = row["default"][f"time_to_target{clock}"]
+            b = row[other][f"time_to_target{clock}"]
             if a is not None and b is not None:
-                ratios[other].append(a / b)
+                ratios[other, clock].append(a / b)
     print()
     reached = sum(row["default"]["steps_to_target"] is not None for row in results)
     print(f"default job reached {TARGET}: {reached} of {len(results)} seeds")
-    for other, values in ratios.items():
+    for (other, clock), values in ratios.items():
+        since = "the call" if clock else "the process's start"
         if values:
             print(
-                f"time to {TARGET} default / {other}: "
+                f"time to {TARGET} (from {since}) default / {other}: "
                 + ", ".join(f"{r:.2f}" for r in values)
                 + f" (mean {statistics.mean(values):.2f}, max {max(values):.2f}; lower is better)"
             )
         else:
-            print(f"time to {TARGET} default / {other}: not reached by both in any seed")
+            print(
+                f"time to {TARGET} (from {since}) default / {other}: not reached by both "
+                "in any seed"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
