@@ -444,8 +444,15 @@ class HostCopyBackend:
     that refers to it stays valid. After the storages are released the memory goes
     back where another process can use it: on CUDA the caching allocator is emptied
     (``torch.cuda.empty_cache()``); on a CPU "device" free heap pages are returned to
-    the OS (``malloc_trim``). On CUDA the host copies are pinned and the copies run
-    asynchronously with one synchronisation per direction.
+    the OS (``malloc_trim``) when the sleep freed at least :attr:`CPU_TRIM_MIN_BYTES`.
+    A trim returns every free heap page of the process, the activations its next
+    forward and backward reuse included, and that pass then faults all of them in
+    again: for a model of a few MiB the trim gives back next to nothing of the model and
+    costs the next pass more than the sleep itself (on the built-in task, 2 cores: 8 %
+    of a step). Below the threshold the freed storages stay in the process's heap for
+    its own reuse (large storages are ``mmap`` chunks, which ``free`` returns at once
+    either way). On CUDA the host copies are pinned and the copies run asynchronously
+    with one synchronisation per direction.
 
     On a CPU "device" the host copy cannot stay in the process (its resident memory
     *is* the device memory): by default it is spilled out of the process, so a
@@ -480,6 +487,9 @@ class HostCopyBackend:
     """
 
     name = "host_copy"
+
+    #: A sleep on a CPU "device" that freed less than this does not trim the heap.
+    CPU_TRIM_MIN_BYTES = 16 * 2**20
 
     def __init__(
         self,
@@ -581,9 +591,11 @@ class HostCopyBackend:
         # Only after every copy landed: free the device memory, and hand it back.
         for item in saved:
             item.storage.resize_(0)
-        release_device_memory(self.device)
+        freed = sum(item.nbytes for item in saved)
+        if self.device.type != "cpu" or freed >= self.CPU_TRIM_MIN_BYTES:
+            release_device_memory(self.device)
         self._saved[part] = saved
-        return sum(item.nbytes for item in saved)
+        return freed
 
     def reload(self, part: Part) -> int:
         """Reallocate ``part``'s storages in place and copy their bytes back (a wake-up)."""
