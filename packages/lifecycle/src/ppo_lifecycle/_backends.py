@@ -444,7 +444,8 @@ class HostCopyBackend:
     that refers to it stays valid. After the storages are released the memory goes
     back where another process can use it: on CUDA the caching allocator is emptied
     (``torch.cuda.empty_cache()``); on a CPU "device" free heap pages are returned to
-    the OS (``malloc_trim``) when the sleep freed at least :attr:`CPU_TRIM_MIN_BYTES`.
+    the OS (``malloc_trim``) after each part (parameters, gradients, optimizer state,
+    buffers) that freed at least :attr:`CPU_TRIM_MIN_BYTES`.
     A trim returns every free heap page of the process, the activations its next
     forward and backward reuse included, and that pass then faults all of them in
     again: for a model of a few MiB the trim gives back next to nothing of the model and
@@ -488,7 +489,7 @@ class HostCopyBackend:
 
     name = "host_copy"
 
-    #: A sleep on a CPU "device" that freed less than this does not trim the heap.
+    #: A part put to sleep on a CPU "device" that freed less than this does not trim.
     CPU_TRIM_MIN_BYTES = 16 * 2**20
 
     def __init__(
