@@ -333,6 +333,20 @@ def assert_same_checkpoint(ref_run: Path, got_run: Path, step: int, *, samples: 
         print(f"{ckpt.name} {role} ({ref.steps} Adam steps): |diff| / bound: {shown}")
 
 
+def assert_identical_checkpoint(ref_run: Path, got_run: Path, step: int) -> None:
+    """Actor and critic of the two runs' checkpoints after ``step`` steps are the same
+    bits: parameters, both Adam moments and the step counts."""
+    ckpt = Path("checkpoints") / f"step_{step:06d}"
+    for role in ("actor", "critic"):
+        ref, got = load_role(ref_run / ckpt, role), load_role(got_run / ckpt, role)
+        assert got.steps == ref.steps, (role, got.steps, ref.steps)
+        for kind in ("params", "exp_avg", "exp_avg_sq"):
+            a, b = getattr(got, kind), getattr(ref, kind)
+            assert a.keys() == b.keys(), (role, kind)
+            differ = [k for k in a if not torch.equal(a[k], b[k])]
+            assert not differ, f"{role} {kind} differ in {differ[:3]} ({len(differ)} tensors)"
+
+
 @contextmanager
 def gloo_refit_pair() -> Iterator[Any]:
     """A two-rank weight-refit group over gloo on loopback, both ranks in this process

@@ -56,7 +56,13 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
         "ppo:\n  num_prompts_per_step: 32\nasync_rl:\n  min_groups_for_streaming_train: 8\n"
     )
     cfg, _ = load_config(
-        path, ["ppo.num_prompts_per_step=64", "async_rl.sampler.name=ready_first", "policy.lr=2e-4"]
+        path,
+        [
+            "ppo.num_prompts_per_step=64",
+            "async_rl.sampler.name=ready_first",
+            "async_rl.deterministic_chunks=false",  # in_order only
+            "policy.lr=2e-4",
+        ],
     )
     assert cfg.ppo.num_prompts_per_step == 64
     assert cfg.async_rl.min_groups_for_streaming_train == 8
@@ -334,3 +340,41 @@ def test_trainer_configs_default_micro_batch_is_one_data_parallel_ranks_share() 
     cfg.critic.train_micro_batch_size = 0  # refused by the trainer, not read as "null"
     with pytest.raises(ValueError, match=r"critic\.micro_batch_size=0"):
         trainer_configs(cfg, vocab_size=20)
+
+
+def test_a_partial_section_keeps_the_defaults_of_its_parent(tmp_path: Path) -> None:
+    """``critic: {train_micro_batch_size: 64}`` (configs/full_batch.yaml does this) keeps
+    every other critic default, its own lr (3e-3) included, not the bare ModelConfig's
+    (the policy's 5e-4); the same through a dotted override."""
+    path = tmp_path / "c.yaml"
+    path.write_text("critic:\n  train_micro_batch_size: 64\nppo:\n  adv_estimator:\n    lam: 0.9\n")
+    cfg, _ = load_config(path, [])
+    assert cfg.critic.train_micro_batch_size == 64
+    assert cfg.critic.lr == DriverConfig().critic.lr == 3e-3 != cfg.policy.lr
+    assert cfg.ppo.adv_estimator.lam == 0.9 and cfg.ppo.adv_estimator.normalize_advantages
+    cfg, _ = load_config(None, ["critic.train_micro_batch_size=64"])
+    assert cfg.critic.lr == 3e-3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "micro"),
+    [
+        # the default: 64 prompts x 4 samples, blocks of 16 groups = 64 rows each
+        pytest.param([], 64, id="default"),
+        pytest.param(["cluster.actor_gpus=2"], 32, id="dp2"),
+        pytest.param(["async_rl.min_groups_for_streaming_train=20"], 80, id="min-20"),
+        pytest.param(["async_rl.deterministic_chunks=false"], 256, id="by-arrival"),
+        pytest.param([FULL], 256, id="full-batch"),
+        pytest.param(["policy.train_micro_batch_size=32"], 32, id="explicit"),
+    ],
+)
+def test_deterministic_blocks_set_the_default_micro_batch(overrides: list[str], micro: int) -> None:
+    """With deterministic chunks while streaming, a null micro-batch size is one rank's
+    share of a fixed block (so a chunk of several blocks is computed block by block);
+    otherwise one rank's share of the step; an explicit size stays."""
+    cfg, _ = load_config(None, overrides)
+    actor, critic = trainer_configs(cfg, vocab_size=20)
+    assert actor.micro_batch_size == micro
+    assert critic.micro_batch_size == (
+        64 if overrides[:1] == ["policy.train_micro_batch_size=32"] else micro
+    )

@@ -79,6 +79,23 @@ def test_document_example_88_plus_40() -> None:
     assert [len(c) for c in chunks] == [88, 40]
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_fixed_blocks_that_are_ready_go_into_one_chunk(merge: bool) -> None:
+    """Deterministic chunks (blocks of 4 groups out of 16, the last taking 4): with
+    ``merge_blocks`` every block whose groups are all done is claimed in ONE chunk, in
+    block order; the cuts stay at the blocks' edges (a block is never split), so each
+    chunk is whole blocks whatever arrived."""
+    sampler = InOrderSampler(max_lookahead_versions=0, fixed_chunks=True)
+    gate = ChunkGate(sampler, batch=16, min_groups=4, alignment=1, merge_blocks=merge)
+    # groups 0-10 done (blocks 0 and 1 whole, block 2 not), then 11, then the rest
+    chunks = _run_step(gate, [list(range(11)), [11], list(range(12, 16))])
+    blocks = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    if merge:
+        assert chunks == [blocks[0] + blocks[1], blocks[2], blocks[3]]
+    else:
+        assert chunks == blocks
+
+
 def test_steps_never_share_or_lose_groups() -> None:
     gate = ChunkGate(InOrderSampler(max_lookahead_versions=1), batch=8, min_groups=2, alignment=2)
     seen: list[int] = []

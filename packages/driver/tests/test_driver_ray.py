@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from driver_testlib import TINY_RUN, assert_same_checkpoint
+from driver_testlib import TINY_RUN, assert_identical_checkpoint, assert_same_checkpoint
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.pump import InjectedFailure
 from ppo_driver.run import train
@@ -336,9 +336,15 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
     the full-batch run computes the old log-probs in a separate forward). Chunk cuts
     3+3 and 6x1 against one chunk of 6, two steps: actor and critic (parameters, Adam
     moments and steps) equal within the derived bounds. The document's per-chunk
-    whitening is another computation: the same comparison must fail."""
+    whitening is another computation: the same comparison must fail.
+
+    Bit for bit: with the streamed run's micro-batches (a null size while streaming with
+    deterministic chunks is one block: 3 groups x 2 samples), the full-batch run leaves
+    the very same bits as the 3+3 run; the default config and configs/full_batch.yaml
+    are set up so."""
     runs = {
         "full": 6,
+        "full, micro-batches of the 3-group blocks": 6,
         "3+3": 3,
         "6x1": 1,
         **({"3+3 chunk-whitened": 3} if epochs == 1 else {}),
@@ -346,24 +352,27 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
     metrics = {}
     for name, minimum in runs.items():
         norm = "chunk" if "whitened" in name else "previous_step"
+        micro = [f"{m}.train_micro_batch_size=6" for m in ("policy", "critic")]
         result = train(
             _cfg(
                 *EPOCHS_RUN,
                 f"ppo.ppo_epochs={epochs}",
                 f"ppo.adv_estimator.normalization={norm}",
                 f"async_rl.min_groups_for_streaming_train={minimum}",
+                *(micro if "blocks" in name else []),
             ),
             run_dir=tmp_path / name,
             keep_ray=True,
         )
         metrics[name] = result.metrics
     assert [m["train/chunk_groups"] for m in metrics["full"]] == [[6], [6]]
-    assert [m["train/chunk_groups"] for m in metrics["3+3"]] == [[3, 3], [3, 3]]
+    # the blocks that are ready go into one chunk: 3+3, or 6 when both were ready
+    assert all(m["train/chunk_groups"] in ([3, 3], [6]) for m in metrics["3+3"])
     assert [m["train/chunk_groups"] for m in metrics["6x1"]] == [[1] * 6] * 2
     # forwards per sample: streaming K (epoch 1 fused with its backward, then K - 1);
     # full batch with K > 1 adds the separate log-prob forward
     for name, rows in metrics.items():
-        fused = name != "full" or epochs == 1
+        fused = not name.startswith("full") or epochs == 1
         assert [m["train/actor_forwards_per_sample"] for m in rows] == [
             epochs + (0 if fused else 1)
         ] * 2, name
@@ -372,8 +381,11 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
         (tmp_path / "full" / "checkpoints" / "step_000002" / "driver.json").read_text()
     )
     assert state["pump"]["adv_stats"][0] > 2  # the statistics step 2 would use
+    assert_identical_checkpoint(
+        tmp_path / "full, micro-batches of the 3-group blocks", tmp_path / "3+3", 2
+    )
     for name in runs:
-        if name == "full":
+        if name.startswith("full"):
             continue
         if "whitened" in name:  # the comparison fails for another computation
             with pytest.raises(AssertionError):

@@ -538,6 +538,54 @@ def test_per_chunk_normalisation_is_the_only_difference(backend: str) -> None:
     assert max_diff(s_stream.grads, s_norm.grads) > 1e-3
 
 
+def test_a_micro_batch_is_computed_alike_whatever_batch_it_was_cut_from(backend: str) -> None:
+    """Each micro-batch is cut to its own width (the columns its rows attend to), so its
+    outputs and its gradient are the same bits whether it came in a wide batch (the
+    whole step: padded to the step's longest row) or alone (a streamed chunk: padded to
+    its own longest row). Without the cut the weight gradients differ in the last bits
+    (their GEMMs reduce over the padded positions too, blocked by the width), and a
+    streamed step could not equal a full-batch step bit for bit."""
+    data = prepared(backend, b=6, seed=3)
+    lengths = data.batch["attention_mask"].sum(dim=1)
+    width = data.batch["input_ids"].shape[1]
+    micro = [list(range(0, 3)), list(range(3, 6))]
+    own = [int(lengths[rows].max()) for rows in micro]
+    assert min(own) < width  # a micro-batch narrower than the batch around it
+
+    def alone(rows: list[int], w: int) -> PPOData:
+        part = data.rows(rows)
+        return PPOData(
+            batch={k: v[:, :w] for k, v in part.batch.items()},
+            old_logprobs=part.old_logprobs[:, :w],
+            advantages=part.advantages[:, :w],
+            returns=part.returns[:, :w],
+            old_values=part.old_values[:, :w],
+        )
+
+    wide, narrow = (ActorWorker(actor_config(backend, micro_batch_size=3)) for _ in range(2))
+    den = loss_denominator(loss_mask=data.batch["loss_mask"], loss_agg="token")
+    g_wide, _ = train_chunks(wide, data, [list(range(6))], den=den)
+    g_narrow: dict[str, torch.Tensor] = {}
+    for rows, w in zip(micro, own, strict=True):
+        part = alone(rows, w)
+        narrow.train_chunk(
+            part.batch, old_logprobs=part.old_logprobs, advantages=part.advantages,
+            loss_denominator=den,
+        )  # fmt: skip
+        g_narrow = hf_named(narrow, narrow.grads())
+    assert g_wide.keys() == g_narrow.keys()
+    assert all(torch.equal(g_wide[k], g_narrow[k]) for k in g_wide), max_diff(g_wide, g_narrow)
+    # the forwards too, and every position without a token is 0
+    critic = CriticWorker(critic_config(backend, micro_batch_size=3))
+    lp, values = wide.compute_logprobs(data.batch), critic.compute_values(data.batch)
+    for rows, w in zip(micro, own, strict=True):
+        part = alone(rows, w)
+        assert torch.equal(wide.compute_logprobs(part.batch), lp[rows, :w])
+        assert torch.equal(critic.compute_values(part.batch), values[rows, :w])
+    pad = ~data.batch["attention_mask"].bool()
+    assert bool((lp[pad] == 0).all()) and bool((values[pad] == 0).all())
+
+
 def test_masked_chunk_adds_no_gradient(backend: str) -> None:
     data = prepared(backend)
     actor = ActorWorker(actor_config(backend))
@@ -790,6 +838,9 @@ def test_hf_round_trip(backend: str, tmp_path: Path) -> None:
     b, t = ids.shape
     terms = model_terms(TINY, tokens=b * t, seq_len=t, backward=False)
     bound = rounding_bound(terms=terms, magnitude=2 * head_magnitude(model, data.batch))
+    # the worker's log-probs are 0 where no token is (attention mask 0)
+    attended = data.batch["attention_mask"][:, 1:].bool()
+    hf_lp = torch.where(attended, hf_lp, torch.zeros_like(hf_lp))
     torch.testing.assert_close(lp[:, 1:], hf_lp, rtol=0, atol=bound)
     # and a worker loaded from the directory (the same weights, the same computation)
     # reproduces the worker's log-probs bit for bit

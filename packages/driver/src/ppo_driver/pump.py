@@ -90,11 +90,25 @@ class ChunkGate:
     tracks what this step still needs.
     """
 
-    def __init__(self, sampler: Sampler, *, batch: int, min_groups: int, alignment: int) -> None:
+    def __init__(
+        self,
+        sampler: Sampler,
+        *,
+        batch: int,
+        min_groups: int,
+        alignment: int,
+        merge_blocks: bool = False,
+    ) -> None:
         self.sampler = sampler
         self.batch = batch
         self.min_groups = min_groups
         self.alignment = alignment
+        # deterministic chunks: every fixed block that is ready goes into one chunk (one
+        # call per model). That changes no bit: the group alignment makes every block but
+        # the last whole micro-batches of both models (a null micro-batch size is one
+        # block), and the trainers compute each micro-batch alike in any chunk (cut to
+        # its own width), in block order.
+        self.merge_blocks = merge_blocks
         self.step = 0
         self.claimed_this_step: list[int] = []
 
@@ -107,19 +121,22 @@ class ChunkGate:
         return self.batch - len(self.claimed_this_step)
 
     def take(self, *, trainer_version: int) -> list[int]:
-        if self.remaining == 0:
-            return []
-        ids = [
-            int(g)
-            for g in self.sampler.select(
-                trainer_step=self.step,
-                trainer_version=trainer_version,
-                remaining=self.remaining,
-                min_groups=self.min_groups,
-                alignment=self.alignment,
-            )
-        ]
-        self.claimed_this_step.extend(ids)
+        ids: list[int] = []
+        while self.remaining > 0:
+            block = [
+                int(g)
+                for g in self.sampler.select(
+                    trainer_step=self.step,
+                    trainer_version=trainer_version,
+                    remaining=self.remaining,
+                    min_groups=self.min_groups,
+                    alignment=self.alignment,
+                )
+            ]
+            self.claimed_this_step.extend(block)
+            ids.extend(block)
+            if not (block and self.merge_blocks):
+                break
         return ids
 
     def finish_step(self) -> list[int]:
@@ -241,6 +258,7 @@ class TrainPump:
             batch=cfg.batch_groups,
             min_groups=cfg.min_groups,
             alignment=cfg.group_alignment,
+            merge_blocks=cfg.async_rl.deterministic_chunks,
         )
         self.pad_id = pad_id
         self.trace = trace

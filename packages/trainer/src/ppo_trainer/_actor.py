@@ -124,7 +124,9 @@ class ActorWorker(WorkerBase):
         mbs = self._split(
             {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         )
-        out = cpu_cat(self._policy.forward(mbs, fn=logprobs_fn))
+        out = cpu_cat(
+            self._policy.forward(mbs, fn=logprobs_fn), attention_mask=batch["attention_mask"]
+        )
         self._counters["policy_forward"] += rows(mbs)
         return out
 
@@ -136,7 +138,9 @@ class ActorWorker(WorkerBase):
         mbs = self._split(
             {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         )
-        out = cpu_cat(reference.forward(mbs, fn=logprobs_fn))
+        out = cpu_cat(
+            reference.forward(mbs, fn=logprobs_fn), attention_mask=batch["attention_mask"]
+        )
         self._counters["reference_forward"] += rows(mbs)
         return out
 

@@ -71,12 +71,36 @@ def valid_counts(mask: Tensor) -> tuple[float, float]:
 def micro_batches(
     tensors: Mapping[str, Tensor], *, size: int, device: torch.device
 ) -> list[dict[str, Tensor]]:
-    """Rows ``[start, start + size)`` of every tensor, moved to ``device``."""
+    """Rows ``[start, start + size)`` of every tensor, moved to ``device``, each cut to
+    its own width: the columns after the last one any of its rows attends to
+    (``attention_mask``) are dropped.
+
+    Those columns cannot change an earlier position under a causal mask, so the result is
+    the same math; what the trim buys is that a micro-batch is computed alike whatever
+    batch it was cut from. Its width is then a function of its own rows, never of the
+    widest row of the chunk (a streamed chunk, or the whole step) around it, and neither
+    are its gradients bit for bit (the weight-gradient GEMMs reduce over every position,
+    padded ones included, in blocks that follow the width). Outputs are padded back with
+    :func:`cpu_cat`.
+    """
     n = int(next(iter(tensors.values())).shape[0])
     out = []
     for start in range(0, n, size):
-        out.append({k: v[start : start + size].to(device) for k, v in tensors.items()})
+        rows_ = {k: v[start : start + size] for k, v in tensors.items()}
+        width = _attended_width(rows_.get("attention_mask"))
+        out.append(
+            {k: v[:, :width].to(device) if width else v.to(device) for k, v in rows_.items()}
+        )
     return out
+
+
+def _attended_width(attention_mask: Tensor | None) -> int | None:
+    """One past the last column any row attends to (at least 1); None: keep the width."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] == 0:
+        return None
+    attended = attention_mask.bool().any(dim=0).nonzero()
+    width = int(attended.max().item()) + 1 if attended.numel() else 1
+    return None if width == attention_mask.shape[1] else width
 
 
 def shift(native: Tensor) -> Tensor:
@@ -96,9 +120,20 @@ def values_fn(values: Tensor, mb: Batch) -> Tensor:
     return shift(values)
 
 
-def cpu_cat(parts: list[Tensor]) -> Tensor:
-    """The micro-batches' outputs, one ``[B, T]`` tensor on the CPU."""
-    return torch.cat([p.to("cpu") for p in parts], dim=0)
+def cpu_cat(parts: list[Tensor], *, attention_mask: Tensor) -> Tensor:
+    """The micro-batches' outputs as one ``[B, T]`` tensor on the CPU, ``attention_mask``
+    the batch's (``[B, T]``): each part is padded back from its own (trimmed,
+    :func:`micro_batches`) width, and every position no token is at (mask 0) is 0, so
+    the result does not depend on how the batch was cut either."""
+    width = int(attention_mask.shape[1])
+    padded = []
+    for p in parts:
+        p = p.to("cpu")
+        if p.shape[1] != width:
+            p = torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1])], dim=1)
+        padded.append(p)
+    out = torch.cat(padded, dim=0)
+    return torch.where(attention_mask.bool(), out, torch.zeros_like(out))
 
 
 def rows(mbs: Sequence[Batch]) -> int:

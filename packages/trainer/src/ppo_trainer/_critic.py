@@ -90,7 +90,9 @@ class CriticWorker(WorkerBase):
             size=self.config.micro_batch_size,
             device=self._backend.device,
         )
-        out = cpu_cat(self._critic.forward(mbs, fn=values_fn))
+        out = cpu_cat(
+            self._critic.forward(mbs, fn=values_fn), attention_mask=batch["attention_mask"]
+        )
         self._counters["value_forward"] += rows(mbs)
         return out
 

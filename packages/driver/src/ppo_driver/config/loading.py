@@ -137,7 +137,18 @@ def _coerce(tp: object, value: object, key: str, problems: list[ConfigProblem]) 
     return None
 
 
-def _build(cls: type[T], data: Mapping[str, Any], prefix: str, problems: list[ConfigProblem]) -> T:
+def _build(
+    cls: type[T],
+    data: Mapping[str, Any],
+    prefix: str,
+    problems: list[ConfigProblem],
+    base: T | None = None,
+) -> T:
+    """``cls`` from ``data``: every key left out keeps ``base``'s value (default: the
+    section's own defaults). A nested section starts from its parent's default for it,
+    so ``critic: {train_micro_batch_size: 64}`` keeps the critic's defaults (its lr is
+    not the policy's) instead of the bare ``ModelConfig``'s."""
+    base = cls() if base is None else base
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
@@ -158,13 +169,14 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str, problems: list[Co
                 fix = f"write {dotted}: {{...}}"
                 problems.append(ConfigProblem(dotted, value, "expected a section (mapping)", fix))
                 continue
-            kwargs[key] = _build(tp, value, f"{dotted}.", problems)  # type: ignore[arg-type]
+            child = getattr(base, key)
+            kwargs[key] = _build(tp, value, f"{dotted}.", problems, base=child)  # type: ignore[arg-type]
             continue
         before = len(problems)
         out = _coerce(tp, value, dotted, problems)
         if len(problems) == before:
             kwargs[key] = out
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs)  # type: ignore[type-var]
 
 
 def _file_problem(src: Path, message: str, fix: str) -> ConfigError:

@@ -19,7 +19,7 @@ from ppo_placement import (
     placement_layout,
     streaming_layout_problems,
 )
-from ppo_sampler import SamplerConfig, SamplerProblem
+from ppo_sampler import SamplerConfig, SamplerProblem, fixed_chunk_sizes
 from ppo_trainer import ActorConfig, CriticConfig, MegatronProblem, ModelSpec, TrainerProblem
 
 from ppo_driver.config.problems import ValidationReport
@@ -127,10 +127,11 @@ def _trainer_kwargs(
         "seed": cfg.run.seed + (1 if section == "critic" else 0),  # the critic's differs
     }
     train = _values(cfg, {f: k for f, k in keys.items() if f not in _MODEL_FIELDS})
-    # null: the whole step of one data-parallel rank in one micro-batch. An explicit
-    # value goes through as it is (0 must reach the trainer's check, not become null).
+    # null: one data-parallel rank's share of a fixed block (deterministic chunks while
+    # streaming) or of the whole step. An explicit value goes through as it is (0 must
+    # reach the trainer's check, not become null).
     if train["micro_batch_size"] is None:
-        train["micro_batch_size"] = samples_per_rank
+        train["micro_batch_size"] = _block_rows(cfg, samples_per_rank) or samples_per_rank
     backend = {"backend": "megatron" if m.megatron_cfg.enabled else "torch", "device": "auto"}
     return spec, {**train, **backend, "backend_options": _backend_options(m.megatron_cfg)}
 
@@ -154,6 +155,21 @@ def trainer_configs(cfg: DriverConfig, *, vocab_size: int) -> tuple[ActorConfig,
     actor = ActorConfig(model=ModelSpec(**kw["policy"][0]), **kw["policy"][1])
     critic = CriticConfig(model=ModelSpec(**kw["critic"][0]), **kw["critic"][1])
     return actor, critic
+
+
+def _block_rows(cfg: DriverConfig, samples_per_rank: int) -> int | None:
+    """Rows of one data-parallel rank in each fixed block but the last (which may take
+    more) of ``async_rl.deterministic_chunks`` while streaming; None otherwise, or when
+    the batch, minimum or alignment is broken (``validate`` reports those)."""
+    if not (cfg.async_rl.deterministic_chunks and _streams(cfg)):
+        return None
+    try:
+        batch, alignment = cfg.batch_groups, cfg.group_alignment
+        block = fixed_chunk_sizes(batch=batch, min_groups=cfg.min_groups, alignment=alignment)[0]
+    except ValueError:
+        return None
+    rows = samples_per_rank * block // batch
+    return rows if rows >= 1 and rows * batch == samples_per_rank * block else None
 
 
 def _samples_per_rank(cfg: DriverConfig, role: Role, *, guess: bool = False) -> int:

@@ -150,8 +150,9 @@ class SamplerCfg(_Section):
 @dataclass
 class AsyncRLConfig(_Section):
     min_groups_for_streaming_train: int = 16
-    # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns)
-    deterministic_chunks: bool = False
+    # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns,
+    # and with matching micro-batches a streamed step equals a full-batch step bit for bit)
+    deterministic_chunks: bool = True
     max_prompts_in_flight: int = bounded(0, ">= 0")  # 0: num_prompts_per_step * (1 + lookahead)
     poll_interval_s: float = bounded(0.02, "> 0")
     sampler: SamplerCfg = field(default_factory=SamplerCfg)
