@@ -127,6 +127,9 @@ TINY_RUN = [
     # (arrival timing), which differs between any two runs; without it it does not
     "ppo.adv_estimator.normalize_advantages=false",
     "async_rl.min_groups_for_streaming_train=2",  # streaming: several chunks per step
+    # chunks cut as groups arrive: every ready group goes, so steps stream in several
+    # chunks (the default's fixed blocks would merge whatever blocks are ready into one)
+    "async_rl.deterministic_chunks=false",
     "async_rl.sampler.max_lookahead_versions=0",
     *TINY_MODELS,
 ]

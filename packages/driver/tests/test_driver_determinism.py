@@ -23,13 +23,14 @@ is not associative, the weights differed in their last bits after the first upda
 apart. Fixed by claiming every chunk's groups in prompt-index order
 (``RolloutManager.claim``).
 
-Streaming: by default a chunk is whatever is ready when the pump polls, so where a chunk
-boundary falls depends on when groups finish, i.e. on timing, and the boundaries change
-the update (advantages are whitened per chunk, the per-chunk gradients are summed in
-another grouping): two default streaming runs agree only while their steps were cut
-alike. ``async_rl.deterministic_chunks=true`` cuts every step at fixed positions of its
-dispatch order (``ppo_sampler.fixed_chunk_sizes``: here 8 groups, minimum 2 -> four
-chunks of 2) and trains a block once all its groups are done, in order. The streaming
+Streaming: with ``async_rl.deterministic_chunks=false`` a chunk is whatever is ready when
+the pump polls, so where a chunk boundary falls depends on when groups finish, i.e. on
+timing, and the boundaries change the update (the per-chunk gradients are summed in
+another grouping): two such runs agree only while their steps were cut alike.
+``async_rl.deterministic_chunks=true`` (the default) cuts every step at fixed positions
+of its dispatch order (``ppo_sampler.fixed_chunk_sizes``: here 8 groups, minimum 2 ->
+four blocks of 2) and trains a block once all its groups are done, in order, the blocks
+that are ready together in one chunk, each its own micro-batch. The streaming
 rows use it and make timing differ on purpose: the second run generates at another pace
 (``rollout.decode_delay_s`` 0.15 s vs 0.05 s per decode step: the same samples, finished
 at other times, in other waves), and still both runs must match exactly, every step and
