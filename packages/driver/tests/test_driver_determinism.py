@@ -34,7 +34,10 @@ that are ready together in one chunk, each its own micro-batch. The streaming
 rows use it and make timing differ on purpose: the second run generates at another pace
 (``rollout.decode_delay_s`` 0.15 s vs 0.05 s per decode step: the same samples, finished
 at other times, in other waves), and still both runs must match exactly, every step and
-the final checkpoints. The full-batch rows get the same change of pace.
+the final checkpoints. The second streaming run also puts every block that is ready into
+one chunk (``async_rl.merge_ready_blocks``, the default) where the first trains one block
+per chunk: that must change no bit either. The full-batch rows get the same change of
+pace.
 """
 
 from __future__ import annotations
@@ -119,13 +122,20 @@ def _describe(a: Path, b: Path, steps: int, names: list[str]) -> str:
 
 def _assert_same_run(root: Path, overrides: list[str], steps: int, *, streaming: bool) -> None:
     a, b = root / "a", root / "b"
-    ra, rb = _train(a, [*overrides, PACES[0]]), _train(b, [*overrides, PACES[1]])
+    # streaming: run a trains one block per chunk, run b every ready block in one chunk
+    merge = ("async_rl.merge_ready_blocks=false", "async_rl.merge_ready_blocks=true")
+    ra, rb = (
+        _train(run, [*overrides, pace, *([m] if streaming else [])])
+        for run, pace, m in zip((a, b), PACES, merge, strict=True)
+    )
     assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(steps))
     chunks_a = [r["train/chunk_groups"] for r in ra]
     chunks_b = [r["train/chunk_groups"] for r in rb]
-    # the fixed plan in every step of both runs (several chunks: it does stream)
+    # the fixed plan in every step of run a (several chunks: it does stream); run b's
+    # chunks are whole blocks of it, as many as were ready together
     plan = [2, 2, 2, 2] if streaming else [8]
-    assert chunks_a == chunks_b == [plan] * steps, (chunks_a, chunks_b)
+    assert chunks_a == [plan] * steps, chunks_a
+    assert all(sum(c) == 8 and all(g % plan[0] == 0 for g in c) for c in chunks_b), chunks_b
     for key in COMPARED:
         assert [r[key] for r in ra] == [r[key] for r in rb], key
     fa, fb = _model_files(a, steps), _model_files(b, steps)

@@ -102,6 +102,7 @@ def test_megatron_streamed_epochs_equal_full_batch(tmp_path: Path) -> None:
                 "ppo.ppo_epochs=3",
                 "ppo.adv_estimator.normalize_advantages=true",
                 "async_rl.deterministic_chunks=true",
+                "async_rl.merge_ready_blocks=false",
                 f"async_rl.min_groups_for_streaming_train={minimum}",
             ],
             capture_output=True,

@@ -325,6 +325,7 @@ EPOCHS_RUN = [
     "ppo.critic_mini_batch_size=12",
     "ppo.adv_estimator.normalize_advantages=true",
     "async_rl.deterministic_chunks=true",
+    "async_rl.merge_ready_blocks=false",  # one chunk per block: the cuts are fixed
 ]
 
 
@@ -334,9 +335,10 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
     advantages normalised (``previous_step``: step 1 is whitened with step 0's
     statistics), K policy epochs (epoch 1 streamed, epochs 2..K over the kept chunks;
     the full-batch run computes the old log-probs in a separate forward). Chunk cuts
-    3+3 and 6x1 against one chunk of 6, two steps: actor and critic (parameters, Adam
-    moments and steps) equal within the derived bounds. The document's per-chunk
-    whitening is another computation: the same comparison must fail.
+    3+3 and 6x1 (fixed blocks, one chunk each) against one chunk of 6, two steps: actor
+    and critic (parameters, Adam moments and steps) equal within the derived bounds.
+    The document's per-chunk whitening is another computation: the same comparison
+    must fail.
 
     Bit for bit: with the streamed run's micro-batches (a null size while streaming with
     deterministic chunks is one block: 3 groups x 2 samples), the full-batch run leaves
@@ -365,14 +367,9 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
             keep_ray=True,
         )
         metrics[name] = result.metrics
-    # chunks are whole blocks (3 groups, or 1), in block order; the blocks that are
-    # ready together go into one chunk, so how many a chunk holds follows arrival
-    for name, rows in metrics.items():
-        block = {"3": 3, "6": 1}.get(name[0], 6)
-        for m in rows:
-            assert sum(m["train/chunk_groups"]) == 6, name
-            assert all(g % block == 0 for g in m["train/chunk_groups"]), (name, m)
-    assert max(len(m["train/chunk_groups"]) for m in metrics["6x1"]) > 1  # it streams
+    assert [m["train/chunk_groups"] for m in metrics["full"]] == [[6], [6]]
+    assert [m["train/chunk_groups"] for m in metrics["3+3"]] == [[3, 3], [3, 3]]
+    assert [m["train/chunk_groups"] for m in metrics["6x1"]] == [[1] * 6] * 2
     # forwards per sample: streaming K (epoch 1 fused with its backward, then K - 1);
     # full batch with K > 1 adds the separate log-prob forward
     for name, rows in metrics.items():
@@ -385,9 +382,10 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
         (tmp_path / "full" / "checkpoints" / "step_000002" / "driver.json").read_text()
     )
     assert state["pump"]["adv_stats"][0] > 2  # the statistics step 2 would use
-    assert_identical_checkpoint(
-        tmp_path / "full, micro-batches of the 3-group blocks", tmp_path / "3+3", 2
-    )
+    blocks = tmp_path / "full, micro-batches of the 3-group blocks"
+    assert_identical_checkpoint(blocks, tmp_path / "3+3", 2)
+    with pytest.raises(AssertionError, match="differ"):  # other micro-batches: other bits
+        assert_identical_checkpoint(tmp_path / "full", tmp_path / "3+3", 2)
     for name in runs:
         if name.startswith("full"):
             continue

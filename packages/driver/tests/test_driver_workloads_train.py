@@ -38,6 +38,7 @@ OVERRIDES = [
     # (arrival-cut chunks could all be whole steps on a busy machine), and the resume
     # goes through the dispatch-order filing of groups held back at the checkpoint
     "async_rl.deterministic_chunks=true",
+    "async_rl.merge_ready_blocks=false",
     "async_rl.sampler.max_lookahead_versions=0",
     "rollout.max_new_tokens=8",
     "rollout.decode_delay_s=0.02",

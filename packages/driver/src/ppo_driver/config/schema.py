@@ -153,6 +153,9 @@ class AsyncRLConfig(_Section):
     # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns,
     # and with matching micro-batches a streamed step equals a full-batch step bit for bit)
     deterministic_chunks: bool = True
+    # with deterministic_chunks: every block that is ready in one chunk (true) or one
+    # chunk per block (false); the same bits either way, fewer calls with true
+    merge_ready_blocks: bool = True
     max_prompts_in_flight: int = bounded(0, ">= 0")  # 0: num_prompts_per_step * (1 + lookahead)
     poll_interval_s: float = bounded(0.02, "> 0")
     sampler: SamplerCfg = field(default_factory=SamplerCfg)
