@@ -11,8 +11,7 @@ reward at equal steps, and the last-10 mean. Wall seconds count from the process
 start (Python, the imports: the project's driver modules or the minimal loop's torch,
 then starting Ray, the workers and the engine, or building the models), and, as a
 second clock, from the call that starts the run (``train()`` / ``minimal_ppo.run()``,
-the imports done). Ratios of the time to 0.8, on both clocks: default / full-batch and
-default / minimal loop (lower is better).
+the imports done). Ratios of the time to 0.8, on both clocks (lower is better).
 
 Profiles (``--profile``):
 
@@ -22,8 +21,10 @@ Profiles (``--profile``):
 * ``generation-bound``: generation on devices of its own, emulated by
   ``rollout.decode_delay_s`` (the engine sleeps 0.1 s per decode step, off the trainers'
   cores, as ``bench_driver``'s ``separate``); 80 steps. Streaming trains the chunks that
-  are done while the rest generates. Default against full batch only (the minimal loop
-  has no separate generation).
+  are done while the rest generates. The default, the default with its chunks cut as
+  groups arrive (``by-arrival``: ``async_rl.deterministic_chunks=false``) and the full
+  batch (the minimal loop has no separate generation); default / full batch and
+  by-arrival / full batch.
 
 Any further overrides apply to every project run (and the minimal loop's settings).
 The load average is printed with every run: wall times on a loaded machine are inflated.
@@ -106,7 +107,7 @@ def load_run_config(name: str, seed: int, overrides: list[str]) -> Any:
 
     cfg, report = load_config(
         FULL_BATCH if name == "full-batch" else None,
-        [*overrides, f"run.seed={seed}", "run.checkpoint_every=0"],
+        [*overrides, *RUN_OVERRIDES.get(name, []), f"run.seed={seed}", "run.checkpoint_every=0"],
     )
     assert report.ok, report
     cfg.run.progress = False
@@ -163,6 +164,17 @@ PROFILES: dict[str, list[str]] = {
     "task": [],
     "generation-bound": ["rollout.decode_delay_s=0.1", "run.num_steps=80"],
 }
+# the runs of each profile; each is compared with the other runs named in RATIOS
+RUNS = {
+    "task": ["default", "full-batch", "minimal"],
+    "generation-bound": ["default", "by-arrival", "full-batch"],
+}
+RATIOS = {
+    "task": [("default", "full-batch"), ("default", "minimal")],
+    "generation-bound": [("default", "full-batch"), ("by-arrival", "full-batch")],
+}
+# by-arrival: the default with its chunks cut as groups arrive, not in fixed blocks
+RUN_OVERRIDES = {"by-arrival": ["async_rl.deterministic_chunks=false"]}
 
 
 def main() -> None:
@@ -183,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
 
     overrides = [*PROFILES[args.profile], *args.overrides]
-    names = ["default", "full-batch"] + (["minimal"] if args.profile == "task" else [])
+    names = RUNS[args.profile]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp)
@@ -225,8 +237,8 @@ def main() -> None:
         f"{'seed':>4} {'run':<10} {'first10':>7} {'@25%':>6} {'@50%':>6} {'@100%':>6} "
         f"{'wall_s':>7} {'steps->0.8':>10} {'s->0.8':>7} {'multi-chunk':>11}"
     )
-    ratios: dict[tuple[str, str], list[float]] = {
-        (other, clock): [] for clock in ("", "_call") for other in names[1:]
+    ratios: dict[tuple[str, str, str], list[float]] = {
+        (run, other, clock): [] for clock in ("", "_call") for run, other in RATIOS[args.profile]
     }
     for row in results:
         for name in names:
@@ -238,26 +250,25 @@ def main() -> None:
                 + f" {s['wall_s']:>7.1f} {_fmt(s['steps_to_target'], 'd'):>10} "
                 f"{_fmt(s['time_to_target'], '.1f'):>7} {_fmt(share, '.0%'):>11}"
             )
-        for other, clock in ratios:
-            a = row["default"][f"time_to_target{clock}"]
+        for run, other, clock in ratios:
+            a = row[run][f"time_to_target{clock}"]
             b = row[other][f"time_to_target{clock}"]
             if a is not None and b is not None:
-                ratios[other, clock].append(a / b)
+                ratios[run, other, clock].append(a / b)
     print()
     reached = sum(row["default"]["steps_to_target"] is not None for row in results)
     print(f"default job reached {TARGET}: {reached} of {len(results)} seeds")
-    for (other, clock), values in ratios.items():
+    for (run, other, clock), values in ratios.items():
         since = "the call" if clock else "the process's start"
         if values:
             print(
-                f"time to {TARGET} (from {since}) default / {other}: "
+                f"time to {TARGET} (from {since}) {run} / {other}: "
                 + ", ".join(f"{r:.2f}" for r in values)
                 + f" (mean {statistics.mean(values):.2f}, max {max(values):.2f}; lower is better)"
             )
         else:
             print(
-                f"time to {TARGET} (from {since}) default / {other}: not reached by both "
-                "in any seed"
+                f"time to {TARGET} (from {since}) {run} / {other}: not reached by both in any seed"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -7,9 +7,13 @@ A dashed line marks 0.8. Prints each run's first-10 and last-10 step means.
 
 The README's plot (``docs/reward.png``), after the runs its README section gives:
 
-    uv run --frozen python tools/plot_rewards.py --out docs/reward.png \\
+    uv run --frozen python tools/plot_rewards.py --out docs/reward.png --x seconds \\
+        --title "built-in task: mean reward over training time" \\
         runs/bench/task-default-s{0,1,2,3,4}=streaming \\
         runs/bench/task-full-batch-s{0,1,2,3,4}=full-batch
+
+Since the default and the full-batch config learn the same per step, bit for bit, their
+curves over steps coincide; over training seconds the streamed run's lie to the left.
 """
 
 from __future__ import annotations
@@ -21,9 +25,21 @@ from pathlib import Path
 WINDOW = 10
 
 
+def read_rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+
+
 def read_rewards(run_dir: Path) -> list[float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    return [float(r["rollout/reward_mean"]) for r in rows]
+    return [float(r["rollout/reward_mean"]) for r in read_rows(run_dir)]
+
+
+def step_seconds(run_dir: Path) -> list[float]:
+    """Seconds of training at each step's end: the running sum of ``perf/step_s``."""
+    total, out = 0.0, []
+    for r in read_rows(run_dir):
+        total += float(r["perf/step_s"])
+        out.append(total)
+    return out
 
 
 def running_mean(values: list[float], window: int = WINDOW) -> list[float]:
@@ -41,6 +57,12 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="plot only the first STEPS steps of each run"
     )
+    parser.add_argument(
+        "--x",
+        choices=["step", "seconds"],
+        default="step",
+        help="x axis: the step, or the seconds of training (the running sum of perf/step_s)",
+    )
     args = parser.parse_args()
 
     import matplotlib
@@ -56,7 +78,9 @@ def main() -> None:
         label = label or Path(path).name
         rewards = read_rewards(Path(path))[: args.steps]
         colour = colours.setdefault(label, f"C{len(colours)}")
-        steps = range(len(rewards))
+        steps = (
+            range(len(rewards)) if args.x == "step" else step_seconds(Path(path))[: len(rewards)]
+        )
         ax.plot(steps, rewards, color=colour, alpha=0.2, linewidth=0.8)
         ax.plot(
             steps,
@@ -72,7 +96,7 @@ def main() -> None:
             f"{path}: {len(rewards)} steps, mean reward first 10 {first:.3f} -> last 10 {last:.3f}"
         )
     ax.axhline(0.8, color="grey", linestyle="--", linewidth=1)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step" if args.x == "step" else "seconds of training (sum of the step times)")
     ax.set_ylabel(f"mean reward ({WINDOW}-step running mean bold)")
     ax.set_ylim(0, 1)
     ax.set_title(args.title)
