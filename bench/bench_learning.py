@@ -21,10 +21,11 @@ Profiles (``--profile``):
 * ``generation-bound``: generation on devices of its own, emulated by
   ``rollout.decode_delay_s`` (the engine sleeps 0.1 s per decode step, off the trainers'
   cores, as ``bench_driver``'s ``separate``); 80 steps. Streaming trains the chunks that
-  are done while the rest generates. The default, the default with its chunks cut as
-  groups arrive (``by-arrival``: ``async_rl.deterministic_chunks=false``) and the full
-  batch (the minimal loop has no separate generation); default / full batch and
-  by-arrival / full batch.
+  are done while the rest generates. The default (here its chunks are cut as groups
+  arrive: ``async_rl.deterministic_chunks: null`` with a decode delay), the default with
+  fixed blocks (``fixed-blocks``: ``async_rl.deterministic_chunks=true``, which learns
+  what the full batch learns bit for bit) and the full batch (the minimal loop has no
+  separate generation); default / full batch and fixed-blocks / full batch.
 
 Any further overrides apply to every project run (and the minimal loop's settings).
 The load average is printed with every run: wall times on a loaded machine are inflated.
@@ -167,14 +168,15 @@ PROFILES: dict[str, list[str]] = {
 # the runs of each profile; each is compared with the other runs named in RATIOS
 RUNS = {
     "task": ["default", "full-batch", "minimal"],
-    "generation-bound": ["default", "by-arrival", "full-batch"],
+    "generation-bound": ["default", "fixed-blocks", "full-batch"],
 }
 RATIOS = {
     "task": [("default", "full-batch"), ("default", "minimal")],
-    "generation-bound": [("default", "full-batch"), ("by-arrival", "full-batch")],
+    "generation-bound": [("default", "full-batch"), ("fixed-blocks", "full-batch")],
 }
-# by-arrival: the default with its chunks cut as groups arrive, not in fixed blocks
-RUN_OVERRIDES = {"by-arrival": ["async_rl.deterministic_chunks=false"]}
+# fixed-blocks: the default with its chunks in fixed blocks (with generation on devices
+# of its own the default cuts them as groups arrive)
+RUN_OVERRIDES = {"fixed-blocks": ["async_rl.deterministic_chunks=true"]}
 
 
 def main() -> None:

@@ -378,3 +378,36 @@ def test_deterministic_blocks_set_the_default_micro_batch(overrides: list[str], 
     assert critic.micro_batch_size == (
         64 if overrides[:1] == ["policy.train_micro_batch_size=32"] else micro
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fixed"),
+    [
+        pytest.param([], True, id="default"),
+        pytest.param(["rollout.decode_delay_s=0.1"], False, id="generation-devices"),
+        pytest.param(["async_rl.sampler.name=ready_first"], False, id="ready-first"),
+        pytest.param(["async_rl.sampler.max_lookahead_versions=1"], False, id="look-ahead"),
+        pytest.param(["async_rl.deterministic_chunks=false"], False, id="false"),
+        pytest.param(
+            ["rollout.decode_delay_s=0.1", "async_rl.deterministic_chunks=true"], True, id="true"
+        ),
+    ],
+)
+def test_deterministic_chunks_null_is_fixed_blocks_only_where_they_cost_nothing(
+    overrides: list[str], fixed: bool
+) -> None:
+    """null: fixed blocks with generation on the trainers' cores (training-bound: the
+    blocks are all done when a step starts) and a sampler that allows them; chunks by
+    arrival with generation on devices of its own, where a block would wait for its
+    slowest group. An explicit value stays, and true with ``ready_first`` is refused."""
+    cfg, _ = load_config(None, overrides)
+    assert cfg.async_rl.deterministic_chunks is (
+        None if "deterministic" not in str(overrides) else fixed
+    )
+    assert cfg.fixed_chunks is fixed
+    actor, _critic = trainer_configs(cfg, vocab_size=20)
+    assert actor.micro_batch_size == (64 if fixed else 256)  # a block, or the step
+    with pytest.raises(ConfigError, match="async_rl.deterministic_chunks=false"):
+        load_config(
+            None, ["async_rl.sampler.name=ready_first", "async_rl.deterministic_chunks=true"]
+        )

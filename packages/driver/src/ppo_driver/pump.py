@@ -258,7 +258,7 @@ class TrainPump:
             batch=cfg.batch_groups,
             min_groups=cfg.min_groups,
             alignment=cfg.group_alignment,
-            merge_blocks=cfg.async_rl.deterministic_chunks and cfg.async_rl.merge_ready_blocks,
+            merge_blocks=cfg.fixed_chunks and cfg.async_rl.merge_ready_blocks,
         )
         self.pad_id = pad_id
         self.trace = trace

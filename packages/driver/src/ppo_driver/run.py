@@ -422,7 +422,7 @@ def _rollout_manager(
         groups_per_call=cfg.groups_per_call,
         on_engine_restart=refitter.restore_engine,
         reward_timeout_s=cfg.rollout.reward_timeout_s,
-        file_in_dispatch_order=cfg.async_rl.deterministic_chunks,
+        file_in_dispatch_order=cfg.fixed_chunks,
         max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
     )
 
@@ -568,7 +568,9 @@ def _loop(
     )
     log.info(
         "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
-        "streaming" if cfg.streaming else "full-batch",
+        ("streaming (fixed blocks)" if cfg.fixed_chunks else "streaming (chunks by arrival)")
+        if cfg.streaming
+        else "full-batch",
         cfg.batch_groups,
         cfg.ppo.num_generations_per_prompt,
         cfg.min_groups,

@@ -161,7 +161,7 @@ def _block_rows(cfg: DriverConfig, samples_per_rank: int) -> int | None:
     """Rows of one data-parallel rank in each fixed block but the last (which may take
     more) of ``async_rl.deterministic_chunks`` while streaming; None otherwise, or when
     the batch, minimum or alignment is broken (``validate`` reports those)."""
-    if not (cfg.async_rl.deterministic_chunks and _streams(cfg)):
+    if not (cfg.fixed_chunks and _streams(cfg)):
         return None
     try:
         batch, alignment = cfg.batch_groups, cfg.group_alignment
@@ -184,9 +184,15 @@ def _samples_per_rank(cfg: DriverConfig, role: Role, *, guess: bool = False) -> 
     return max(1, cfg.samples_per_step // dp)
 
 
+def _sampler_values(cfg: DriverConfig) -> dict[str, Any]:
+    """``SamplerConfig``'s keyword arguments, ``deterministic_chunks`` resolved (null:
+    :attr:`DriverConfig.fixed_chunks`)."""
+    return {**_values(cfg, SAMPLER_KEYS), "deterministic_chunks": cfg.fixed_chunks}
+
+
 def sampler_config(cfg: DriverConfig) -> SamplerConfig:
     """The ``ppo_sampler.SamplerConfig`` of this run (``ValueError`` naming the key)."""
-    return SamplerConfig(**_values(cfg, SAMPLER_KEYS))
+    return SamplerConfig(**_sampler_values(cfg))
 
 
 def cluster_layout(cfg: DriverConfig) -> Layout:
@@ -230,7 +236,7 @@ def _report(
 
 def _check_sampler(r: ValidationReport, cfg: DriverConfig) -> None:
     """``ppo_sampler.SamplerConfig``: the batch, the readiness minimum, the sampler."""
-    problems = SamplerConfig.problems(**_values(cfg, SAMPLER_KEYS))
+    problems = SamplerConfig.problems(**_sampler_values(cfg))
     _report(
         r, "ppo_sampler.SamplerConfig refuses it ({})", problems, SAMPLER_KEYS, "async_rl.sampler"
     )

@@ -64,14 +64,37 @@ def freeze(section: _Section) -> None:
 EMBEDDED_GROUPS_PER_CALL = 4
 
 
+def generation_on_shared_cores(*, engine: str, decode_delay_s: float) -> bool:
+    """Whether generation takes its compute from the trainers' machine (the embedded
+    engine without a ``decode_delay_s``), rather than running on devices of its own
+    (sglang, or the decode delay that emulates them)."""
+    return engine == "embedded" and not decode_delay_s
+
+
 def groups_per_call(given: int | None, *, engine: str, decode_delay_s: float) -> int:
     """``rollout.groups_per_call`` resolved: ``given``, or for null
     :data:`EMBEDDED_GROUPS_PER_CALL` with the embedded engine and no decode delay (its
     calls' CPU is the trainers'), else 1 (each group handed over as it finishes)."""
     if given is not None:
         return given
-    on_shared_cores = engine == "embedded" and not decode_delay_s
-    return EMBEDDED_GROUPS_PER_CALL if on_shared_cores else 1
+    shared = generation_on_shared_cores(engine=engine, decode_delay_s=decode_delay_s)
+    return EMBEDDED_GROUPS_PER_CALL if shared else 1
+
+
+def deterministic_chunks(
+    given: bool | None, *, engine: str, decode_delay_s: float, sampler: str, lookahead: int
+) -> bool:
+    """``async_rl.deterministic_chunks`` resolved: ``given``, or for null true where
+    fixed blocks cost no overlap and the sampler allows them: generation on the
+    trainers' cores (:func:`generation_on_shared_cores`: the steps are training-bound,
+    the next step's groups are all done when it starts), ``in_order`` without a
+    look-ahead. With generation on devices of its own the groups of a block finish over
+    the whole step (a block waits for its slowest), so null cuts chunks as groups
+    arrive, which overlaps more."""
+    if given is not None:
+        return given
+    shared = generation_on_shared_cores(engine=engine, decode_delay_s=decode_delay_s)
+    return shared and sampler == "in_order" and lookahead == 0
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -151,8 +174,9 @@ class SamplerCfg(_Section):
 class AsyncRLConfig(_Section):
     min_groups_for_streaming_train: int = 16
     # true: chunks cut at fixed positions of each step's dispatch order (bitwise reruns,
-    # and with matching micro-batches a streamed step equals a full-batch step bit for bit)
-    deterministic_chunks: bool = True
+    # and with matching micro-batches a streamed step equals a full-batch step bit for
+    # bit); false: as groups arrive; null: DriverConfig.fixed_chunks decides
+    deterministic_chunks: bool | None = None
     # with deterministic_chunks: every block that is ready in one chunk (true) or one
     # chunk per block (false); the same bits either way, fewer calls with true
     merge_ready_blocks: bool = True
@@ -290,6 +314,20 @@ class DriverConfig(_Section):
         ro = self.rollout
         return groups_per_call(
             ro.groups_per_call, engine=ro.engine, decode_delay_s=ro.decode_delay_s
+        )
+
+    @property
+    def fixed_chunks(self) -> bool:
+        """``async_rl.deterministic_chunks`` resolved (:func:`deterministic_chunks`: null
+        is true with generation on the trainers' cores and an ``in_order`` sampler
+        without look-ahead, else false)."""
+        ro, sampler = self.rollout, self.async_rl.sampler
+        return deterministic_chunks(
+            self.async_rl.deterministic_chunks,
+            engine=ro.engine,
+            decode_delay_s=ro.decode_delay_s,
+            sampler=sampler.name,
+            lookahead=sampler.max_lookahead_versions,
         )
 
     @property
