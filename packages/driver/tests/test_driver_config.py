@@ -407,7 +407,7 @@ def test_deterministic_chunks_null_is_fixed_blocks_only_where_they_cost_nothing(
     assert cfg.fixed_chunks is fixed
     actor, _critic = trainer_configs(cfg, vocab_size=20)
     assert actor.micro_batch_size == (64 if fixed else 256)  # a block, or the step
-    with pytest.raises(ConfigError, match="async_rl.deterministic_chunks=false"):
+    with pytest.raises(ConfigError, match=r"async_rl\.deterministic_chunks=false"):
         load_config(
             None, ["async_rl.sampler.name=ready_first", "async_rl.deterministic_chunks=true"]
         )
