@@ -140,7 +140,10 @@ def test_three_streaming_steps_on_the_joined_cluster(joined_run: dict[str, Any])
     assert [r["step"] for r in rows] == list(range(NUM_STEPS))
     assert all(int(r["train/chunks"]) >= 1 for r in rows)
     err = joined_run["stderr"]
-    assert "ppo-driver: streaming, 8 prompts x 2 samples per step, minimum 2 groups" in err
+    assert (
+        "ppo-driver: streaming (chunks by arrival), 8 prompts x 2 samples per step, minimum 2"
+        in err
+    )
     assert re.search(r"joined the Ray cluster at 127\.0\.0\.1:\d+ \(2 node\(s\), 2 GPU", err), err
     assert "it stays up after the run" in err
 

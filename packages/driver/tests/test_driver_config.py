@@ -411,3 +411,14 @@ def test_deterministic_chunks_null_is_fixed_blocks_only_where_they_cost_nothing(
         load_config(
             None, ["async_rl.sampler.name=ready_first", "async_rl.deterministic_chunks=true"]
         )
+
+
+def test_ready_blocks_merge_only_with_one_data_parallel_rank() -> None:
+    """Several ranks split a chunk's rows into contiguous shares, so merged blocks would
+    put other rows on each rank than one block per chunk: no merging there."""
+    from ppo_driver.pump import merges_ready_blocks
+
+    assert merges_ready_blocks(load_config(None, [])[0])
+    assert not merges_ready_blocks(load_config(None, ["cluster.actor_gpus=2"])[0])
+    assert not merges_ready_blocks(load_config(None, ["async_rl.merge_ready_blocks=false"])[0])
+    assert not merges_ready_blocks(load_config(None, ["rollout.decode_delay_s=0.1"])[0])

@@ -104,10 +104,7 @@ class ChunkGate:
         self.min_groups = min_groups
         self.alignment = alignment
         # deterministic chunks: every fixed block that is ready goes into one chunk (one
-        # call per model). That changes no bit: the group alignment makes every block but
-        # the last whole micro-batches of both models (a null micro-batch size is one
-        # block), and the trainers compute each micro-batch alike in any chunk (cut to
-        # its own width), in block order.
+        # call per model; ``merges_ready_blocks`` says when that changes no bit)
         self.merge_blocks = merge_blocks
         self.step = 0
         self.claimed_this_step: list[int] = []
@@ -144,6 +141,20 @@ class ChunkGate:
         ids = self.claimed_this_step
         self.claimed_this_step = []
         return ids
+
+
+def merges_ready_blocks(cfg: DriverConfig) -> bool:
+    """Whether the blocks of fixed chunks that are ready go into one chunk
+    (``async_rl.merge_ready_blocks``): only with one data-parallel rank per model.
+
+    With one rank that changes no bit: the group alignment makes every block but the
+    last whole micro-batches of both models (a null micro-batch size is one block), and
+    the trainers compute each micro-batch alike in any chunk (cut to its own width), in
+    block order. With several ranks a chunk's rows are split into one contiguous share
+    per rank, so two blocks in one chunk would put other rows on each rank than two
+    chunks of one block (other per-rank sums, other bits)."""
+    one_rank = cfg.dp_size("policy") == 1 and cfg.dp_size("critic") == 1
+    return cfg.fixed_chunks and cfg.async_rl.merge_ready_blocks and one_rank
 
 
 class RolloutLink(Protocol):
@@ -258,7 +269,7 @@ class TrainPump:
             batch=cfg.batch_groups,
             min_groups=cfg.min_groups,
             alignment=cfg.group_alignment,
-            merge_blocks=cfg.fixed_chunks and cfg.async_rl.merge_ready_blocks,
+            merge_blocks=merges_ready_blocks(cfg),
         )
         self.pad_id = pad_id
         self.trace = trace
