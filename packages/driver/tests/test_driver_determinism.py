@@ -34,9 +34,10 @@ that are ready together in one chunk, each its own micro-batch. The streaming
 rows use it and make timing differ on purpose: the second run generates at another pace
 (``rollout.decode_delay_s`` 0.15 s vs 0.05 s per decode step: the same samples, finished
 at other times, in other waves), and still both runs must match exactly, every step and
-the final checkpoints. The second streaming run also puts every block that is ready into
-one chunk (``async_rl.merge_ready_blocks``, the default) where the first trains one block
-per chunk: that must change no bit either. The full-batch rows get the same change of
+the final checkpoints. The second streaming run also asks for every block that is ready
+in one chunk (``async_rl.merge_ready_blocks``, the default) where the first trains one
+block per chunk: with one data-parallel rank that must change no bit either (with two the
+driver trains one block per chunk anyway: ``ppo_driver.pump.merges_ready_blocks``). The full-batch rows get the same change of
 pace.
 """
 
