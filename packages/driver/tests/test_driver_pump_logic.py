@@ -328,3 +328,15 @@ def test_a_call_failing_for_another_groups_dead_rank_is_not_blamed_on_its_own(
         with pytest.raises((WorkerLost, ray.exceptions.ActorDiedError)) as info:
             pending.result()
         assert info.value is (lost if owned else died)
+
+
+def test_a_lost_worker_is_named_by_the_death_not_by_rays_task_wrapper() -> None:
+    """A call running (or queued behind another group's call) when the process died
+    raises Ray's ``RayTaskError(ActorDiedError)`` class; the message names the death."""
+    import ray.exceptions as rex
+    from ppo_driver.workers import error_name
+
+    wrapped = rex.RayTaskError("train_chunk", "tb", rex.ActorDiedError()).as_instanceof_cause()
+    assert type(wrapped).__name__ == "RayTaskError(ActorDiedError)"
+    assert error_name(wrapped) == error_name(rex.ActorDiedError()) == "ActorDiedError"
+    assert error_name(ValueError()) == "ValueError"

@@ -182,6 +182,16 @@ def log_to_file(path: str, level: str) -> None:
         logger.addHandler(handler)
 
 
+def error_name(exc: BaseException) -> str:
+    """The error's class name, without Ray's task wrapper: a call that was running (or
+    queued behind another group's call) when the process died raises a class Ray names
+    ``RayTaskError(ActorDiedError)``; the death itself is the ``ActorDiedError``."""
+    name = type(exc).__name__
+    if name.startswith("RayTaskError(") and name.endswith(")"):
+        return name[len("RayTaskError(") : -1]
+    return name
+
+
 class WorkerLost(RuntimeError):
     """A trainer worker's process died (killed, out of memory, its node lost): Ray does
     not restart trainer workers, so the run cannot go on. Names the role, the rank, the
@@ -403,7 +413,7 @@ class TrainGroup(Generic[W]):
         ids = [h._actor_id.hex() for h in self.handles]
         rank = ids.index(exc.actor_id) if exc.actor_id in ids else 0
         pid, ip = self.processes[rank] if rank < len(self.processes) else (None, None)
-        return WorkerLost(self.role, rank, pid, ip, type(exc).__name__)
+        return WorkerLost(self.role, rank, pid, ip, error_name(exc))
 
     @property
     def dp_size(self) -> int:
