@@ -184,12 +184,12 @@ def log_to_file(path: str, level: str) -> None:
 
 def error_name(exc: BaseException) -> str:
     """The error's class name, without Ray's task wrapper: a call that was running (or
-    queued behind another group's call) when the process died raises a class Ray names
-    ``RayTaskError(ActorDiedError)``; the death itself is the ``ActorDiedError``."""
-    name = type(exc).__name__
-    if name.startswith("RayTaskError(") and name.endswith(")"):
-        return name[len("RayTaskError(") : -1]
-    return name
+    queued behind another group's call) when the process died raises a ``RayTaskError``
+    whose ``cause`` is the death itself, the ``ActorDiedError`` (as ``describe_fault``
+    reads it)."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, BaseException):
+        return type(exc.cause).__name__
+    return type(exc).__name__
 
 
 class WorkerLost(RuntimeError):

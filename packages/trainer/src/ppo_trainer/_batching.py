@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ppo_trainer._backend import Batch
@@ -126,13 +127,7 @@ def cpu_cat(parts: list[Tensor], *, attention_mask: Tensor) -> Tensor:
     :func:`micro_batches`) width, and every position no token is at (mask 0) is 0, so
     the result does not depend on how the batch was cut either."""
     width = int(attention_mask.shape[1])
-    padded = []
-    for p in parts:
-        p = p.to("cpu")
-        if p.shape[1] != width:
-            p = torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1])], dim=1)
-        padded.append(p)
-    out = torch.cat(padded, dim=0)
+    out = torch.cat([F.pad(p.to("cpu"), (0, width - p.shape[1])) for p in parts], dim=0)
     return torch.where(attention_mask.bool(), out, torch.zeros_like(out))
 
 
