@@ -182,15 +182,18 @@ class RoleState:
     steps: int
 
 
-def load_role(ckpt: Path, role: str) -> RoleState:
-    """``ckpt/<role>/rank00000/state.{json,safetensors}`` of one rank. Torch backend: the
-    optimizer's state index ``i`` is the ``i``-th parameter (``model.parameters()``
-    order, which is the order of the saved model's keys; shapes are checked). Megatron
-    (float32, no distributed optimizer: ``_megatron_role``)."""
-    ranks = sorted((ckpt / role).glob("rank*"))
-    assert [r.name for r in ranks] == ["rank00000"], ranks
-    meta = json.loads((ranks[0] / "state.json").read_text())
-    tensors = load_file(str(ranks[0] / "state.safetensors"))
+def load_role(ckpt: Path, role: str, *, rank: int | None = None) -> RoleState:
+    """``ckpt/<role>/rank<rank>/state.{json,safetensors}`` (``None``: the only rank;
+    the checkpoint must have one). Torch backend: the optimizer's state index ``i`` is
+    the ``i``-th parameter (``model.parameters()`` order, which is the order of the saved
+    model's keys; shapes are checked). Megatron (float32, no distributed optimizer:
+    ``_megatron_role``)."""
+    if rank is None:
+        ranks = sorted((ckpt / role).glob("rank*"))
+        assert [r.name for r in ranks] == ["rank00000"], ranks
+    where = ckpt / role / f"rank{rank or 0:05d}"
+    meta = json.loads((where / "state.json").read_text())
+    tensors = load_file(str(where / "state.safetensors"))
     if meta["config"]["backend"] == "megatron":
         return _megatron_role(meta, tensors)
     assert meta["config"]["backend"] == "torch", meta["config"]["backend"]
@@ -338,16 +341,22 @@ def assert_same_checkpoint(ref_run: Path, got_run: Path, step: int, *, samples: 
 
 def assert_identical_checkpoint(ref_run: Path, got_run: Path, step: int) -> None:
     """Actor and critic of the two runs' checkpoints after ``step`` steps are the same
-    bits: parameters, both Adam moments and the step counts."""
+    bits, on every rank: parameters, both Adam moments and the step counts."""
     ckpt = Path("checkpoints") / f"step_{step:06d}"
     for role in ("actor", "critic"):
-        ref, got = load_role(ref_run / ckpt, role), load_role(got_run / ckpt, role)
-        assert got.steps == ref.steps, (role, got.steps, ref.steps)
-        for kind in ("params", "exp_avg", "exp_avg_sq"):
-            a, b = getattr(got, kind), getattr(ref, kind)
-            assert a.keys() == b.keys(), (role, kind)
-            differ = [k for k in a if not torch.equal(a[k], b[k])]
-            assert not differ, f"{role} {kind} differ in {differ[:3]} ({len(differ)} tensors)"
+        ranks = sorted(r.name for r in (ref_run / ckpt / role).glob("rank*"))
+        assert ranks == sorted(r.name for r in (got_run / ckpt / role).glob("rank*")), ranks
+        for rank in range(len(ranks)):
+            ref = load_role(ref_run / ckpt, role, rank=rank)
+            got = load_role(got_run / ckpt, role, rank=rank)
+            assert got.steps == ref.steps, (role, rank, got.steps, ref.steps)
+            for kind in ("params", "exp_avg", "exp_avg_sq"):
+                a, b = getattr(got, kind), getattr(ref, kind)
+                assert a.keys() == b.keys(), (role, kind)
+                differ = [k for k in a if not torch.equal(a[k], b[k])]
+                assert not differ, (
+                    f"{role} rank {rank} {kind} differ in {differ[:3]} ({len(differ)} tensors)"
+                )
 
 
 @contextmanager

@@ -413,12 +413,13 @@ def test_deterministic_chunks_null_is_fixed_blocks_only_where_they_cost_nothing(
         )
 
 
-def test_ready_blocks_merge_only_with_one_data_parallel_rank() -> None:
-    """Several ranks split a chunk's rows into contiguous shares, so merged blocks would
-    put other rows on each rank than one block per chunk: no merging there."""
+def test_ready_blocks_merge_with_fixed_blocks_on_any_data_parallel_size() -> None:
+    """Each rank gets its share of every block of a chunk (``Rows(blocks=...)``), so
+    merged blocks put on every rank what one block per chunk would: they merge with
+    several ranks too; never with chunks cut as groups arrive, or when turned off."""
     from ppo_driver.pump import merges_ready_blocks
 
     assert merges_ready_blocks(load_config(None, [])[0])
-    assert not merges_ready_blocks(load_config(None, ["cluster.actor_gpus=2"])[0])
+    assert merges_ready_blocks(load_config(None, ["cluster.actor_gpus=2"])[0])
     assert not merges_ready_blocks(load_config(None, ["async_rl.merge_ready_blocks=false"])[0])
     assert not merges_ready_blocks(load_config(None, ["rollout.decode_delay_s=0.1"])[0])

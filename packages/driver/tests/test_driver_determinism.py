@@ -36,9 +36,9 @@ rows use it and make timing differ on purpose: the second run generates at anoth
 at other times, in other waves), and still both runs must match exactly, every step and
 the final checkpoints. The second streaming run also asks for every block that is ready
 in one chunk (``async_rl.merge_ready_blocks``, the default) where the first trains one
-block per chunk: with one data-parallel rank that must change no bit either (with two the
-driver trains one block per chunk anyway: ``ppo_driver.pump.merges_ready_blocks``). The full-batch rows get the same change of
-pace.
+block per chunk: that must change no bit either, with one data-parallel rank or two (each
+rank gets its share of every block: ``test_merged_blocks_leave_the_bits_of_one_block_per_
+chunk_on_two_ranks`` forces the merge). The full-batch rows get the same change of pace.
 """
 
 from __future__ import annotations
@@ -158,3 +158,44 @@ def test_same_seed_same_config_same_run(
 ) -> None:
     overrides = [*mode, f"cluster.actor_gpus={dp}", f"run.num_steps={steps}", "run.seed=3"]
     _assert_same_run(tmp_path, overrides, steps, streaming=mode is STREAMING)
+
+
+def test_merged_blocks_leave_the_bits_of_one_block_per_chunk_on_two_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two data-parallel ranks, fixed blocks of 2 groups, all 8 groups of a step sent
+    to the engine in ONE call (``rollout.groups_per_call=8``), so they are all ready at
+    once: with ``merge_ready_blocks`` every step is one chunk of the 4 blocks, without
+    it 4 chunks of one block. Each rank gets its share of every block, in block order
+    (``Rows(blocks=...)``), so both runs leave the same bits after two steps (actor and
+    critic: parameters, Adam moments, steps). With the chunk split into one contiguous
+    share per rank instead (what the driver did before), the merged run puts other
+    rows on each rank and must come out different."""
+    from driver_testlib import assert_identical_checkpoint
+    from ppo_driver.workers import Rows, shard_rows
+
+    common = [
+        *STREAMING,
+        "cluster.actor_gpus=2",
+        "run.num_steps=2",
+        "rollout.groups_per_call=8",
+    ]
+    runs = {
+        "one block per chunk": "async_rl.merge_ready_blocks=false",
+        "merged": "async_rl.merge_ready_blocks=true",
+    }
+    chunks = {
+        name: [r["train/chunk_groups"] for r in _train(tmp_path / name, [*common, merge])]
+        for name, merge in runs.items()
+    }
+    assert chunks == {"one block per chunk": [[2, 2, 2, 2]] * 2, "merged": [[8]] * 2}
+    assert_identical_checkpoint(tmp_path / "one block per chunk", tmp_path / "merged", 2)
+
+    monkeypatch.setattr(Rows, "split", lambda self, dp: shard_rows(self.size, dp))
+    monkeypatch.setattr(Rows, "order", lambda self, dp: None)
+    contiguous = tmp_path / "merged, contiguous shares"
+    assert [r["train/chunk_groups"] for r in _train(contiguous, [*common, runs["merged"]])] == [
+        [8]
+    ] * 2
+    with pytest.raises(AssertionError, match="differ"):
+        assert_identical_checkpoint(tmp_path / "one block per chunk", contiguous, 2)

@@ -18,8 +18,10 @@ from ppo_driver.workers import (
     NOW,
     GroupResult,
     Pending,
+    Rows,
     TrainGroup,
     WorkerLost,
+    block_shards,
     data_parallel_layout,
     mini_batch_order,
     shard_rows,
@@ -187,6 +189,39 @@ def test_rows_split_over_data_parallel_ranks_only() -> None:
         data_parallel_layout([mesh(r, dp_rank=0, tp=2) for r in range(4)])
     got = GroupResult(values=[torch.tensor([1.0]), torch.tensor([2.0])])
     assert got.tensor().tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_a_chunk_of_blocks_gives_every_rank_its_share_of_each_block(dp: int) -> None:
+    """Three fixed blocks (8, 8 and 16 rows) in one chunk: rank ``r`` gets, in block
+    order, exactly the rows it would get were each block a chunk of its own (its
+    contiguous share of the block), and per-sample results come back in the chunk's
+    row order."""
+    blocks = [8, 8, 16]
+    rows = Rows({"input_ids": torch.arange(32).unsqueeze(1)}, blocks=blocks)
+    starts = [0, 8, 16]
+    expected = [
+        [
+            start + i
+            for start, size in zip(starts, blocks, strict=True)
+            for i in range(size)[shard_rows(size, dp)[r]]
+        ]
+        for r in range(dp)
+    ]
+    split = [rows.tensors["input_ids"][s].squeeze(1).tolist() for s in rows.split(dp)]
+    assert split == expected
+    assert [t.tolist() for t in block_shards(blocks, dp)] == expected
+    # each rank's result is its rows' ids: back in the chunk's order, whatever dp
+    result = GroupResult(
+        values=[torch.tensor(ids, dtype=torch.float) for ids in expected], order=rows.order(dp)
+    )
+    assert result.tensor().tolist() == [float(i) for i in range(32)]
+    if dp == 1:  # one rank: the chunk's own order, nothing to put back
+        assert rows.order(dp) is None
+    # one block: the contiguous shares, as before
+    assert Rows({"x": torch.zeros(8, 1)}, blocks=[8]).order(2) is None
+    with pytest.raises(ValueError, match=r"blocks \[8, 8\] do not add up to the 32 rows"):
+        Rows({"input_ids": torch.zeros(32, 1)}, blocks=[8, 8])
 
 
 class _EchoWorker:

@@ -42,6 +42,7 @@ Log lines (the document's way to verify chunking), for every chunk and every ste
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -108,6 +109,7 @@ class ChunkGate:
         self.merge_blocks = merge_blocks
         self.step = 0
         self.claimed_this_step: list[int] = []
+        self.blocks: list[int] = []  # the group count of each block of the last take
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -118,7 +120,10 @@ class ChunkGate:
         return self.batch - len(self.claimed_this_step)
 
     def take(self, *, trainer_version: int) -> list[int]:
+        """The groups of the next chunk (``[]``: none ready); :attr:`blocks` says how
+        many of them each selected block holds, in order."""
         ids: list[int] = []
+        self.blocks = []
         while self.remaining > 0:
             block = [
                 int(g)
@@ -132,6 +137,8 @@ class ChunkGate:
             ]
             self.claimed_this_step.extend(block)
             ids.extend(block)
+            if block:
+                self.blocks.append(len(block))
             if not (block and self.merge_blocks):
                 break
         return ids
@@ -145,16 +152,14 @@ class ChunkGate:
 
 def merges_ready_blocks(cfg: DriverConfig) -> bool:
     """Whether the blocks of fixed chunks that are ready go into one chunk
-    (``async_rl.merge_ready_blocks``): only with one data-parallel rank per model.
+    (``async_rl.merge_ready_blocks``).
 
-    With one rank that changes no bit: the group alignment makes every block but the
-    last whole micro-batches of both models (a null micro-batch size is one block), and
-    the trainers compute each micro-batch alike in any chunk (cut to its own width), in
-    block order. With several ranks a chunk's rows are split into one contiguous share
-    per rank, so two blocks in one chunk would put other rows on each rank than two
-    chunks of one block (other per-rank sums, other bits)."""
-    one_rank = cfg.dp_size("policy") == 1 and cfg.dp_size("critic") == 1
-    return cfg.fixed_chunks and cfg.async_rl.merge_ready_blocks and one_rank
+    That changes no bit: the group alignment makes every block but the last whole
+    micro-batches of both models on every data-parallel rank (a null micro-batch size
+    is one rank's share of a block), each rank gets its share of every block of a chunk
+    in block order (``Rows(blocks=...)``), as one chunk per block would give it, and the
+    trainers compute each micro-batch alike in any chunk (cut to its own width)."""
+    return cfg.fixed_chunks and cfg.async_rl.merge_ready_blocks
 
 
 class RolloutLink(Protocol):
@@ -229,6 +234,7 @@ class _StepState:
     final: bool = True  # the denominator is the true count (else finish_step gets it)
     chunks: list[ChunkBatch] = field(default_factory=list)
     chunk_groups: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the current chunk's fixed blocks' rows
     chunk_metrics: list[dict[str, float]] = field(default_factory=list)
     waited: float = 0.0
     refit_s: float = 0.0
@@ -391,6 +397,7 @@ class TrainPump:
     def _next_chunk(self, s: _StepState) -> ChunkBatch:
         ids, waited = self._wait_for_chunk(s.step)
         s.waited += waited
+        s.blocks = self._block_rows(ids)
         self.in_update = True  # checkpoint exclusion covers the whole update
         chunk = ChunkBatch.from_rollout(self.rollout.claim(ids))
         if not s.chunks:
@@ -416,7 +423,7 @@ class TrainPump:
         starts when it ends), and after a chunk that is not the last the actor stays
         resident; its sleep and the critic's wake-up are queued for the wait."""
         ppo = self.cfg.ppo
-        rows = Rows(chunk.model_inputs())
+        rows = Rows(chunk.model_inputs(), blocks=s.blocks)
         backward = s.policy and not self._logprob_pass
         if backward:
             after_values: tuple[Phase, ...] = ()
@@ -638,6 +645,20 @@ class TrainPump:
                         "step %d: %d stale group(s) evicted and re-dispatched", step, len(evicted)
                     )
             self.feed_generation(timeout_s=self._poll_s)
+
+    def _block_rows(self, ids: Sequence[int]) -> list[int]:
+        """The rows of each fixed block in a chunk of several (none for one block), in
+        the chunk's row order: groups in prompt-index order (``RolloutManager.claim``),
+        which keeps the blocks in order, as they are runs of the step's dispatch order."""
+        sizes = self.gate.blocks
+        if len(sizes) < 2:
+            return []
+        ends = list(itertools.accumulate(sizes))
+        parts = [ids[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        if any(max(a) > min(b) for a, b in itertools.pairwise(parts)):
+            raise AssertionError(f"fixed blocks {parts} are not runs of the dispatch order")
+        n = self.cfg.ppo.num_generations_per_prompt
+        return [len(part) * n for part in parts]
 
     # ---------------------------------------------------------------- small pieces
     @property

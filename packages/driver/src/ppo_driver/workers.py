@@ -46,6 +46,7 @@ __all__ = [
     "Rows",
     "TrainGroup",
     "WorkerLost",
+    "block_shards",
     "data_parallel_layout",
     "free_port",
     "mini_batch_order",
@@ -83,6 +84,22 @@ def shard_rows(rows: int, dp_size: int) -> list[slice]:
     return [slice(r * per, (r + 1) * per) for r in range(dp_size)]
 
 
+def block_shards(blocks: Sequence[int], dp_size: int) -> list[Tensor]:
+    """The rows of each data-parallel rank when a batch is ``blocks`` (row counts, in row
+    order) trained as if each block were its own batch: rank ``r`` gets the ``r``-th
+    contiguous share of every block (:func:`shard_rows` of each), in block order. A
+    chunk of several fixed blocks then puts on every rank, in the same order, the rows
+    one chunk per block would (every block must split evenly, as a chunk of its own
+    must)."""
+    shards: list[list[int]] = [[] for _ in range(dp_size)]
+    start = 0
+    for size in blocks:
+        for shard, part in zip(shards, shard_rows(size, dp_size), strict=True):
+            shard.extend(range(start + part.start, start + part.stop))
+        start += size
+    return [torch.tensor(shard, dtype=torch.long) for shard in shards]
+
+
 def mini_batch_order(rows: int, dp_size: int, per_rank: int) -> Tensor:
     """A row order under which the contiguous split of :func:`shard_rows` hands every
     data-parallel rank, as its ``k``-th local mini-batch of ``per_rank`` rows, its slice of
@@ -103,18 +120,38 @@ def mini_batch_order(rows: int, dp_size: int, per_rank: int) -> Tensor:
 class Rows:
     """A batch's model inputs (``[B, T]`` tensors), put into Ray's object store once per
     data-parallel layout and shared by every call that reads them (the critic's value
-    forward and the actor's training call of one chunk ship the tokens once)."""
+    forward and the actor's training call of one chunk ship the tokens once).
 
-    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+    ``blocks``: the row counts of the fixed blocks the batch is made of, in row order
+    (none: one block). The ranks get their share of each block (:func:`block_shards`);
+    per-sample results come back in the batch's row order all the same."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], *, blocks: Sequence[int] = ()) -> None:
         self.tensors = dict(tensors)
         self.size = int(next(iter(self.tensors.values())).shape[0])
+        if blocks and sum(blocks) != self.size:
+            raise ValueError(f"blocks {list(blocks)} do not add up to the {self.size} rows")
+        self.blocks = tuple(blocks) if len(blocks) > 1 else ()
         self._refs: dict[int, list[ray.ObjectRef[dict[str, Tensor]]]] = {}
+
+    def split(self, dp_size: int) -> Sequence[slice | Tensor]:
+        """Each data-parallel rank's rows: contiguous shares, or its share of each block."""
+        if self.blocks and dp_size > 1:
+            return block_shards(self.blocks, dp_size)
+        return shard_rows(self.size, dp_size)
+
+    def order(self, dp_size: int) -> Tensor | None:
+        """The batch row of each row of the ranks' results concatenated in data-parallel
+        order; None where that is the batch's own order."""
+        if self.blocks and dp_size > 1:
+            return torch.cat(block_shards(self.blocks, dp_size))
+        return None
 
     def shards(self, dp_size: int) -> list[ray.ObjectRef[dict[str, Tensor]]]:
         if dp_size not in self._refs:
             self._refs[dp_size] = [
                 ray.put({k: v[s].contiguous() for k, v in self.tensors.items()})
-                for s in shard_rows(self.size, dp_size)
+                for s in self.split(dp_size)
             ]
         return self._refs[dp_size]
 
@@ -128,10 +165,16 @@ class GroupResult(Generic[R_co]):
 
     values: Sequence[R_co]
     timeline: Timeline = field(default_factory=list)
+    order: Tensor | None = None  # Rows.order: the batch row of each concatenated row
 
     def tensor(self: GroupResult[Tensor]) -> Tensor:
         """Per-sample results (``[B_d, ...]`` per rank) back in the batch's row order."""
-        return torch.cat(list(self.values), dim=0)
+        out = torch.cat(list(self.values), dim=0)
+        if self.order is None:
+            return out
+        placed = torch.empty_like(out)
+        placed[self.order] = out
+        return placed
 
     def summed(self: GroupResult[Mapping[str, float]]) -> dict[str, float]:
         """Per-key sums over the data-parallel ranks (non-finite values are kept)."""
@@ -217,6 +260,7 @@ class Pending(Generic[R_co]):
     leaders: Sequence[int]
     lost: Callable[[ray.exceptions.RayActorError], WorkerLost]
     owns: Callable[[ray.exceptions.RayActorError], bool]
+    order: Tensor | None = None  # Rows.order of the call's rows
 
     def done(self) -> bool:
         """Whether every rank has finished (without waiting)."""
@@ -232,7 +276,9 @@ class Pending(Generic[R_co]):
             # failed, and Ray hands its error on; the run's fault handler names that rank
             raise
         return GroupResult(
-            values=[per_rank[r][0] for r in self.leaders], timeline=list(per_rank[0][1])
+            values=[per_rank[r][0] for r in self.leaders],
+            timeline=list(per_rank[0][1]),
+            order=self.order,
         )
 
 
@@ -483,7 +529,7 @@ class TrainGroup(Generic[W]):
         sample_refs = (
             [
                 ray.put({k: t[s].contiguous() for k, t in per_sample.items()})
-                for s in shard_rows(rows.size, self.dp_size)
+                for s in rows.split(self.dp_size)
             ]
             if rows is not None and per_sample
             else None
@@ -500,7 +546,8 @@ class TrainGroup(Generic[W]):
             )
             for handle, dp in zip(self.handles, self._dp_of, strict=True)
         ]
-        return Pending(refs, self.leaders, self.lost, self.owns)
+        order = rows.order(self.dp_size) if rows is not None else None
+        return Pending(refs, self.leaders, self.lost, self.owns, order)
 
     def kill(self, *, grace_s: float = 10.0) -> None:
         """End every rank: it exits by itself once its current call returns (within
