@@ -3,6 +3,7 @@ and the comparison of two runs' checkpoints within bounds derived from what is c
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -373,10 +374,12 @@ def gloo_refit_pair() -> Iterator[Any]:
     )
 
     store, port = open_store(host="127.0.0.1", world_size=2, timeout_s=60)
-    kw = {"master_addr": "127.0.0.1", "world_size": 2, "backend": "gloo", "timeout_s": 60}
+    join = functools.partial(
+        connect_group, master_addr="127.0.0.1", world_size=2, backend="gloo", timeout_s=60
+    )
     with ThreadPoolExecutor(1) as pool:
-        joining = pool.submit(connect_group, store=None, master_port=port, rank=1, **kw)
-        sender = connect_group(store=store, master_port=0, rank=0, **kw)
+        joining = pool.submit(join, store=None, master_port=port, rank=1)
+        sender = join(store=store, master_port=0, rank=0)
         receiver = joining.result(timeout=120)
 
         def send(tensors: Mapping[str, torch.Tensor], version: int) -> tuple[int, Any, Any]:
