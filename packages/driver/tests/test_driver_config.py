@@ -357,27 +357,27 @@ def test_a_partial_section_keeps_the_defaults_of_its_parent(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("overrides", "micro"),
+    ("overrides", "actor_micro", "critic_micro"),
     [
         # the default: 64 prompts x 4 samples, blocks of 16 groups = 64 rows each
-        pytest.param([], 64, id="default"),
-        pytest.param(["cluster.actor_gpus=2"], 32, id="dp2"),
-        pytest.param(["async_rl.min_groups_for_streaming_train=20"], 80, id="min-20"),
-        pytest.param(["async_rl.deterministic_chunks=false"], 256, id="by-arrival"),
-        pytest.param([FULL], 256, id="full-batch"),
-        pytest.param(["policy.train_micro_batch_size=32"], 32, id="explicit"),
+        pytest.param([], 64, 64, id="default"),
+        pytest.param(["cluster.actor_gpus=2"], 32, 32, id="dp2"),
+        pytest.param(["async_rl.min_groups_for_streaming_train=20"], 80, 80, id="min-20"),
+        pytest.param(["async_rl.deterministic_chunks=false"], 256, 256, id="by-arrival"),
+        pytest.param([FULL], 256, 256, id="full-batch"),
+        # an explicit size stays; the other model's null is still its block share
+        pytest.param(["policy.train_micro_batch_size=32"], 32, 64, id="explicit"),
     ],
 )
-def test_deterministic_blocks_set_the_default_micro_batch(overrides: list[str], micro: int) -> None:
+def test_deterministic_blocks_set_the_default_micro_batch(
+    overrides: list[str], actor_micro: int, critic_micro: int
+) -> None:
     """With deterministic chunks while streaming, a null micro-batch size is one rank's
     share of a fixed block (so a chunk of several blocks is computed block by block);
     otherwise one rank's share of the step; an explicit size stays."""
     cfg, _ = load_config(None, overrides)
     actor, critic = trainer_configs(cfg, vocab_size=20)
-    assert actor.micro_batch_size == micro
-    assert critic.micro_batch_size == (
-        64 if overrides[:1] == ["policy.train_micro_batch_size=32"] else micro
-    )
+    assert (actor.micro_batch_size, critic.micro_batch_size) == (actor_micro, critic_micro)
 
 
 @pytest.mark.parametrize(
