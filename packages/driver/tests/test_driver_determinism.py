@@ -160,8 +160,12 @@ def test_same_seed_same_config_same_run(
     _assert_same_run(tmp_path, overrides, steps, streaming=mode is STREAMING)
 
 
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("megatron", marks=pytest.mark.slow)],
+)
 def test_merged_blocks_leave_the_bits_of_one_block_per_chunk_on_two_ranks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
     """Two data-parallel ranks, fixed blocks of 2 groups, all 8 groups of a step sent
     to the engine in ONE call (``rollout.groups_per_call=8``), so they are all ready at
@@ -170,15 +174,20 @@ def test_merged_blocks_leave_the_bits_of_one_block_per_chunk_on_two_ranks(
     (``Rows(blocks=...)``), so both runs leave the same bits after two steps (actor and
     critic: parameters, Adam moments, steps). With the chunk split into one contiguous
     share per rank instead (what the driver did before), the merged run puts other
-    rows on each rank and must come out different."""
+    rows on each rank and must come out different. The Megatron row (slow) runs both
+    models on Megatron-core over gloo."""
     from driver_testlib import assert_identical_checkpoint
     from ppo_driver.workers import Rows, shard_rows
 
+    megatron = [f"{m}.megatron_cfg.enabled=true" for m in ("policy", "critic")]
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
     common = [
         *STREAMING,
         "cluster.actor_gpus=2",
         "run.num_steps=2",
         "rollout.groups_per_call=8",
+        *(megatron if backend == "megatron" else []),
     ]
     runs = {
         "one block per chunk": "async_rl.merge_ready_blocks=false",

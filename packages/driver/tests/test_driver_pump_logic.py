@@ -244,9 +244,9 @@ def test_host_builds_on_request_and_calls_with_rows_and_per_sample_tensors() -> 
 
     threads = torch.get_num_threads()
     try:
-        host = _Host(_EchoWorker, ActorConfig(), 0, 1, None)
+        host = _Host(_EchoWorker, ActorConfig(), 0, 1)
         assert host.worker is None
-        assert host.build().dp_size == 1
+        assert host.build(None).dp_size == 1
     finally:
         torch.set_num_threads(threads)
     out, timeline = host.call("double", {"x": torch.arange(3.0)}, {"scale": torch.ones(3)}, {})
@@ -280,8 +280,8 @@ def test_host_passes_positional_arguments_after_the_rows() -> None:
 
     threads = torch.get_num_threads()
     try:
-        host = _Host(_Worker, ActorConfig(), 0, 1, None)
-        host.build()
+        host = _Host(_Worker, ActorConfig(), 0, 1)
+        host.build(None)
     finally:
         torch.set_num_threads(threads)
     rows, scale = {"x": torch.arange(3.0)}, {"scale": torch.full((3,), 2.0)}

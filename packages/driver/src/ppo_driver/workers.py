@@ -343,19 +343,19 @@ class _Host:
         config: ActorConfig | CriticConfig,
         rank: int,
         world_size: int,
-        init: str | None,
         log_file: tuple[str, str] | None = None,
     ) -> None:
         torch.set_num_threads(1)
         if log_file is not None:
             log_to_file(*log_file)
-        self._build_args = (worker_cls, config, rank, world_size, init)
+        self._build_args = (worker_cls, config, rank, world_size)
         self.worker: ActorWorker | CriticWorker | None = None
         _preload_build_modules(config.model)
 
-    def build(self) -> Mesh:
-        """Build the model (a collective across the group's ranks); returns the mesh."""
-        worker_cls, config, rank, world_size, init = self._build_args
+    def build(self, init: str | None) -> Mesh:
+        """Build the model (a collective across the group's ranks, meeting at ``init``,
+        ``tcp://host:port``; None for one rank); returns the mesh."""
+        worker_cls, config, rank, world_size = self._build_args
         self.worker = worker_cls(config, rank=rank, world_size=world_size, dist_init_method=init)
         mesh: Mesh = self.worker.mesh()
         return mesh
@@ -424,15 +424,14 @@ class TrainGroup(Generic[W]):
         self.role = role
         self.worker_cls = worker_cls
         self.world_size = len(slots)
-        # the data-parallel rendezvous listens on rank 0's node
-        init = f"tcp://{slots[0].node_ip}:{free_port()}" if self.world_size > 1 else None
+        self._rendezvous_ip = slots[0].node_ip  # the group's rendezvous: on rank 0's node
         remote_cls = ray.remote(_Host)
         self.handles: list[Any] = [
             remote_cls.options(
                 **slot.actor_options(),
                 runtime_env={"env_vars": dict(_WORKER_ENV)},
                 max_concurrency=1,
-            ).remote(worker_cls, config, rank, self.world_size, init, log_file)
+            ).remote(worker_cls, config, rank, self.world_size, log_file)
             for rank, slot in enumerate(slots)
         ]
         self.meshes: list[Mesh] = []
@@ -441,10 +440,17 @@ class TrainGroup(Generic[W]):
         self.processes: list[tuple[int, str]] = []  # (pid, node ip) per rank, once built
 
     def build(self) -> None:
-        """Build every rank's worker (surfaces construction errors) and learn the mesh."""
+        """Build every rank's worker (surfaces construction errors) and learn the mesh.
+
+        The rendezvous port is chosen here, just before rank 0 listens on it, not when
+        the group was made: in between, the other group's build opens its process
+        groups, and each gloo group listens on ports the system picks (Megatron opens
+        dozens), so a port chosen earlier could be taken by then ("Address already in
+        use", seen once in a Megatron run with two data-parallel ranks)."""
         try:
             self.processes = list(ray.get([h.where.remote() for h in self.handles]))
-            self.meshes = list(ray.get([h.build.remote() for h in self.handles]))
+            init = f"tcp://{self._rendezvous_ip}:{free_port()}" if self.world_size > 1 else None
+            self.meshes = list(ray.get([h.build.remote(init) for h in self.handles]))
         except ray.exceptions.RayActorError as exc:
             raise self.lost(exc) from exc
         self._dp_of, self.leaders = data_parallel_layout(self.meshes)
