@@ -37,8 +37,8 @@ at other times, in other waves), and still both runs must match exactly, every s
 the final checkpoints. The second streaming run also asks for every block that is ready
 in one chunk (``async_rl.merge_ready_blocks``, the default) where the first trains one
 block per chunk: that must change no bit either, with one data-parallel rank or two (each
-rank gets its share of every block: ``test_merged_blocks_leave_the_bits_of_one_block_per_
-chunk_on_two_ranks`` forces the merge). The full-batch rows get the same change of pace.
+rank gets its share of every block; the last test here forces the merge on two ranks).
+The full-batch rows get the same change of pace.
 """
 
 from __future__ import annotations
