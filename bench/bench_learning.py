@@ -11,7 +11,9 @@ reward at equal steps, and the last-10 mean. Wall seconds count from the process
 start (Python, the imports: the project's driver modules or the minimal loop's torch,
 then starting Ray, the workers and the engine, or building the models), and, as a
 second clock, from the call that starts the run (``train()`` / ``minimal_ppo.run()``,
-the imports done). Ratios of the time to 0.8, on both clocks (lower is better).
+the imports done). Ratios of the time to 0.8, on both clocks (lower is better), and of
+the wall seconds per step after step 5 (what the time to 0.8 approaches when two runs
+take the same steps, without the start-up both pay).
 
 Profiles (``--profile``):
 
@@ -36,6 +38,7 @@ The load average is printed with every run: wall times on a loaded machine are i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -153,7 +156,16 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "first_step_s": run["times"][0],
         "first_step_call_s": run["times_call"][0],
         "wall_s": run["times"][-1],
+        "mean_step_s": mean_step(run["times"]),
     }
+
+
+def mean_step(times: list[float], *, skip: int = 5) -> float | None:
+    """Mean wall seconds between step ends after the first ``skip`` steps (start-up and
+    warm-up left out): the per-step cost that time to the target approaches when two
+    runs take the same steps."""
+    gaps = [b - a for a, b in itertools.pairwise(times[skip:])]
+    return statistics.mean(gaps) if gaps else None
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -237,7 +249,7 @@ def main() -> None:
     )
     print(
         f"{'seed':>4} {'run':<10} {'first10':>7} {'@25%':>6} {'@50%':>6} {'@100%':>6} "
-        f"{'wall_s':>7} {'steps->0.8':>10} {'s->0.8':>7} {'multi-chunk':>11}"
+        f"{'wall_s':>7} {'steps->0.8':>10} {'s->0.8':>7} {'step_s':>6} {'multi-chunk':>11}"
     )
     ratios: dict[tuple[str, str, str], list[float]] = {
         (run, other, clock): [] for clock in ("", "_call") for run, other in RATIOS[args.profile]
@@ -250,7 +262,8 @@ def main() -> None:
                 f"{row['seed']:>4} {name:<10} {s['first10']:>7.3f} "
                 + " ".join(f"{v:>6.3f}" for v in s["at_steps"].values())
                 + f" {s['wall_s']:>7.1f} {_fmt(s['steps_to_target'], 'd'):>10} "
-                f"{_fmt(s['time_to_target'], '.1f'):>7} {_fmt(share, '.0%'):>11}"
+                f"{_fmt(s['time_to_target'], '.1f'):>7} {_fmt(s['mean_step_s']):>6} "
+                f"{_fmt(share, '.0%'):>11}"
             )
         for run, other, clock in ratios:
             a = row[run][f"time_to_target{clock}"]
@@ -271,6 +284,16 @@ def main() -> None:
         else:
             print(
                 f"time to {TARGET} (from {since}) {run} / {other}: not reached by both in any seed"
+            )
+    for run, other in RATIOS[args.profile]:
+        steps = [(row[run]["mean_step_s"], row[other]["mean_step_s"]) for row in results]
+        values = [a / b for a, b in steps if a is not None and b is not None]
+        if values:
+            print(
+                f"wall seconds per step after step 5, {run} / {other}: "
+                + ", ".join(f"{r:.3f}" for r in values)
+                + f" (mean {statistics.mean(values):.3f}; what time to {TARGET} approaches "
+                "when both take the same steps)"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
