@@ -109,12 +109,10 @@ def mini_batch_order(rows: int, dp_size: int, per_rank: int) -> Tensor:
     if rows % dp_size:
         shard_rows(rows, dp_size)  # raises, naming the alignment rule
     block = per_rank * dp_size
-    shards: list[list[int]] = [[] for _ in range(dp_size)]
-    for start in range(0, rows, block):
-        per = min(block, rows - start) // dp_size  # divides: rows and block do
-        for r, shard in enumerate(shards):
-            shard.extend(range(start + r * per, start + (r + 1) * per))
-    return torch.tensor([i for shard in shards for i in shard], dtype=torch.long)
+    # the global mini-batches as blocks (the last one shorter; it divides: rows and
+    # block do), each rank's shares of them in order, the ranks one after the other
+    sizes = [min(block, rows - start) for start in range(0, rows, block)]
+    return torch.cat(block_shards(sizes, dp_size))
 
 
 class Rows:
