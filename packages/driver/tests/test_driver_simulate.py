@@ -6,7 +6,10 @@ step time and answers what-if options; bad input is refused naming it.
 wrote (the built-in task: 64 prompts x 4 samples, minimum 16), copied unchanged.
 ``data/sim_run_full``: the same files of a full-batch run of ``bench/bench_sim.py``'s
 ``balanced`` profile (larger models, 4 policy epochs: a log-prob pass, then 4 epochs
-over the batch), 5 steps.
+over the batch), 5 steps. ``data/sim_run_gb``: steps 40-45 of a default run of
+``bench/bench_learning.py --profile generation-bound`` (0.1 s per decode step, so
+``deterministic_chunks: null`` cut its chunks as groups arrived), the trace's events of
+those steps only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ppo_sampler import simulate
 
 RUN = Path(__file__).resolve().parent / "data" / "sim_run"
 FULL_RUN = RUN.parent / "sim_run_full"
+GB_RUN = RUN.parent / "sim_run_gb"
 
 
 def _rows(run: Path) -> list[dict[str, Any]]:
@@ -107,6 +111,52 @@ def test_what_if_options_change_the_projection(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     table = out[out.index("  min ") :].splitlines()[1:]
     assert len(table) == 1 and table[0].split()[0] == "64"
+
+
+def _copy_run(run: Path, to: Path, **async_rl: object) -> Path:
+    """``run``'s files in ``to``, with these ``async_rl`` keys in its config."""
+    shutil.copytree(run, to)
+    config = yaml.safe_load((to / "config.yaml").read_text())
+    config["async_rl"].update(async_rl)
+    (to / "config.yaml").write_text(yaml.safe_dump(config))
+    return to
+
+
+def test_chunks_are_cut_as_the_run_cut_them(tmp_path: Path) -> None:
+    """The generation-bound run's null resolved as ``train`` resolved it: chunks by
+    arrival (decode_delay_s > 0). Fixed blocks wait for each block's slowest group:
+    every chunk is whole blocks of 16 and the step is longer; a run that wrote ``true``
+    is simulated so, and a null under a look-ahead cuts by arrival again."""
+    fit = fit_run(GB_RUN)
+    assert fit.deterministic_given is None and not fit.workload.deterministic_chunks
+    arrival = simulate_run(fit, minimums=[16])
+    fixed = simulate_run(fit, minimums=[16], deterministic_chunks=True)
+    assert fixed.full_batch.workload.deterministic_chunks
+    assert fixed.full_batch.step_s == arrival.full_batch.step_s  # one chunk either way
+    assert any(n % 16 for n in arrival.rows[0].chunk_groups)  # by arrival: any size
+    assert all(n % 16 == 0 for n in fixed.rows[0].chunk_groups)
+    assert fixed.rows[0].step_s > arrival.rows[0].step_s
+    written = fit_run(_copy_run(GB_RUN, tmp_path / "fixed", deterministic_chunks=True))
+    assert simulate_run(written, minimums=[16]) == fixed
+    apart = fit_run(_copy_run(GB_RUN, tmp_path / "apart", merge_ready_blocks=False))
+    one_per_block = simulate_run(apart, minimums=[16], deterministic_chunks=True)
+    assert set(one_per_block.rows[0].chunk_groups) == {16}
+    null = fit_run(_copy_run(RUN, tmp_path / "null", deterministic_chunks=None))
+    assert null.workload.deterministic_chunks  # no decode delay: generation on shared cores
+    assert not simulate_run(
+        null, minimums=[16], lookahead=1
+    ).full_batch.workload.deterministic_chunks
+
+
+def test_cli_takes_the_chunking(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--from", str(GB_RUN), "--min-groups", "16"]
+    assert main([*argv, "--deterministic-chunks", "true"]) == 0
+    assert "chunks: fixed blocks, every ready one in one chunk" in capsys.readouterr().out
+    assert main(argv) == 0
+    assert "chunks: as groups arrive" in capsys.readouterr().out
+    assert main([*argv, "--deterministic-chunks", "true", "--lookahead", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "async_rl.deterministic_chunks=true needs" in err and "max_lookahead_versions=0" in err
 
 
 @pytest.mark.parametrize(

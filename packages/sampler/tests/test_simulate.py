@@ -130,6 +130,61 @@ def test_a_call_hands_its_groups_over_together() -> None:
         Workload(batch=128, min_groups=32, groups_per_call=0)
 
 
+# 1 s per token per sequence; block 0 (groups 0-3) holds the one slow group (40 tokens),
+# block 1 is done at 10 s with three of block 0, block 2 at 20 s
+SLOW_BLOCK_0 = MeasuredLengths(lengths=(10, 10, 10, 40) + (10,) * 4 + (20,) * 4, resample=False)
+SECONDS_PER_TOKEN = GenerationModel(tokens_per_s=1000.0, concurrency=1000)
+
+
+def test_fixed_blocks_wait_for_their_slowest_group_and_merge_when_ready() -> None:
+    """By arrival, 7 groups are ready at 10 s and train then (7 s of work at 1 s a
+    group), the last 5 at 40 s: 45 s a step. Fixed blocks are filed in dispatch order,
+    so block 1, done at 10 s, waits behind block 0 until its slow group ends at 40 s;
+    then 12 s of work follow: 52 s. Merging the three ready blocks makes one chunk of
+    the same work, which saves the calls of two chunks."""
+    costs = TrainingCosts(actor_train_per_sample=1.0)
+    expected = {
+        (False, False): ((7, 5), 45.0),
+        (True, False): ((4, 4, 4), 52.0),
+        (True, True): ((12,), 52.0),
+        (False, True): ((7, 5), 45.0),  # merging is about fixed blocks only
+    }
+    for (fixed, merge), (chunks, step_s) in expected.items():
+        wl = Workload(
+            batch=12,
+            min_groups=4,
+            lookahead=0,
+            deterministic_chunks=fixed,
+            merge_ready_blocks=merge,
+        )
+        result = simulate(wl, SECONDS_PER_TOKEN, costs, SLOW_BLOCK_0, steps=2, warmup_steps=0)
+        assert {s.chunk_groups for s in result.steps} == {chunks}, (fixed, merge)
+        assert result.step_s == pytest.approx(step_s, rel=1e-12), (fixed, merge)
+    with_calls = dataclasses.replace(costs, call_overhead_s=0.5)
+    one, three = (
+        simulate(
+            Workload(
+                batch=12, min_groups=4, lookahead=0, deterministic_chunks=True, merge_ready_blocks=m
+            ),
+            SECONDS_PER_TOKEN,
+            with_calls,
+            SLOW_BLOCK_0,
+            steps=2,
+            warmup_steps=0,
+        ).step_s
+        for m in (True, False)
+    )
+    saved = 2 * with_calls.chunk_calls(logprob_pass=False) * 0.5
+    assert three - one == pytest.approx(saved, rel=1e-12)
+
+
+def test_fixed_blocks_need_what_the_sampler_needs() -> None:
+    with pytest.raises(ValueError, match="deterministic_chunks"):
+        Workload(batch=12, min_groups=4, lookahead=1, deterministic_chunks=True)
+    with pytest.raises(ValueError, match="merge_ready_blocks='yes' must be a bool"):
+        Workload(batch=12, min_groups=4, merge_ready_blocks="yes")  # type: ignore[arg-type]
+
+
 def test_longest_group_sets_generation_time() -> None:
     gen = GenerationModel(tokens_per_s=100.0, concurrency=10)  # 0.1 s per token
     lengths = MeasuredLengths(lengths=(5, 50, 7), resample=False)

@@ -92,6 +92,13 @@ def _simulate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None, help="another ppo.num_prompts_per_step")
     p.add_argument("--engines", type=int, default=None, help="another rollout.num_engines")
     p.add_argument("--lookahead", type=int, default=None, help="another sampler lookahead bound")
+    p.add_argument(
+        "--deterministic-chunks",
+        choices=("true", "false"),
+        default=None,
+        help="another async_rl.deterministic_chunks: fixed blocks (true) or chunks as groups "
+        "arrive (false); default: the run's",
+    )
     p.add_argument("--no-streaming", action="store_true", help="the full batch only")
     p.add_argument("--steps", type=int, default=8, help="simulated steps (the first warms up)")
     p.add_argument(
@@ -114,6 +121,11 @@ def _simulate(args: argparse.Namespace) -> int:
                 streaming=not args.no_streaming,
                 steps=args.steps,
                 skip_steps=args.skip_steps,
+                deterministic_chunks=(
+                    None
+                    if args.deterministic_chunks is None
+                    else args.deterministic_chunks == "true"
+                ),
             )
         )
     except ValueError as exc:

@@ -49,6 +49,7 @@ from ppo_sampler import (
 )
 
 from ppo_driver._json import JSONValue, as_float, as_int
+from ppo_driver.config.schema import deterministic_chunks as resolve_deterministic_chunks
 from ppo_driver.config.schema import groups_per_call
 from ppo_driver.trace import TraceEvent
 
@@ -110,6 +111,11 @@ class FittedRun:
     measured_step_s: float
     """Mean ``perf/step_s`` of the steps fitted on."""
     steps_used: int
+    deterministic_given: bool | None = False
+    """The run's ``async_rl.deterministic_chunks`` as written (null resolves by the
+    generation's placement and the sampler, again under another lookahead)."""
+    generation_placement: tuple[str, float] = ("embedded", 0.0)
+    """The run's ``rollout.engine`` and ``rollout.decode_delay_s`` (what null resolves by)."""
 
 
 def _section(config: Mapping[str, JSONValue], key: str) -> Mapping[str, JSONValue]:
@@ -161,14 +167,23 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
     min_groups = as_int(async_rl.get("min_groups_for_streaming_train", batch))
     name = str(sampler.get("name", "in_order"))
     bound = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
+    lookahead = as_int(sampler.get(bound, 0))
+    # a run recorded before the key cut its chunks as groups arrived
+    given = async_rl.get("deterministic_chunks", False)
+    placement = (
+        str(rollout.get("engine", "embedded")),
+        as_float(rollout.get("decode_delay_s") or 0.0),
+    )
     workload = Workload(
         batch=batch,
         min_groups=min_groups,
         samples_per_group=spg,
         sampler=name,
-        lookahead=as_int(sampler.get(bound, 0)),
+        lookahead=lookahead,
         max_in_flight=as_int(async_rl.get("max_prompts_in_flight", 0)),
         groups_per_call=_groups_per_call(rollout),
+        deterministic_chunks=_fixed_chunks(given, placement, sampler=name, lookahead=lookahead),
+        merge_ready_blocks=bool(async_rl.get("merge_ready_blocks", True)),
     )
     lengths = MeasuredLengths(
         lengths=tuple(int(n) for r in used for n in r["rollout/group_len_max"]), per_group=True
@@ -187,6 +202,19 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
         lengths=lengths,
         measured_step_s=_mean(used, "perf/step_s"),
         steps_used=len(used),
+        deterministic_given=None if given is None else bool(given),
+        generation_placement=placement,
+    )
+
+
+def _fixed_chunks(
+    given: JSONValue, placement: tuple[str, float], *, sampler: str, lookahead: int
+) -> bool:
+    """``async_rl.deterministic_chunks`` resolved as ``train`` resolves it."""
+    engine, delay = placement
+    value = None if given is None else bool(given)
+    return resolve_deterministic_chunks(
+        value, engine=engine, decode_delay_s=delay, sampler=sampler, lookahead=lookahead
     )
 
 
@@ -418,17 +446,25 @@ def what_if(
     batch: int | None = None,
     engines: int | None = None,
     lookahead: int | None = None,
+    deterministic_chunks: bool | None = None,
 ) -> tuple[Workload, GenerationModel]:
-    """The fitted workload and generation with another batch, engine count or lookahead
-    (the in-flight limit follows them as the driver's default does when the run used
-    it). Raises ValueError (the simulator's) for values it refuses."""
+    """The fitted workload and generation with another batch, engine count, lookahead
+    or chunking (``deterministic_chunks``: fixed blocks or chunks by arrival; left out,
+    the run's setting, a null one resolved again under the new lookahead). The in-flight
+    limit follows them as the driver's default does when the run used it. Raises
+    ValueError (the simulator's) for values it refuses."""
     wl = fit.workload
     new_batch = wl.batch if batch is None else batch
+    new_lookahead = wl.lookahead if lookahead is None else lookahead
+    given = fit.deterministic_given if deterministic_chunks is None else deterministic_chunks
     workload = replace(
         wl,
         batch=new_batch,
         min_groups=min(wl.min_groups, new_batch),
-        lookahead=wl.lookahead if lookahead is None else lookahead,
+        lookahead=new_lookahead,
+        deterministic_chunks=_fixed_chunks(
+            given, fit.generation_placement, sampler=wl.sampler, lookahead=new_lookahead
+        ),
     )
     generation = fit.generation
     if engines is not None:
@@ -443,11 +479,18 @@ def simulate_run(
     batch: int | None = None,
     engines: int | None = None,
     lookahead: int | None = None,
+    deterministic_chunks: bool | None = None,
     steps: int = 8,
     seed: int = 0,
 ) -> SimulationTable:
     """The table for the fitted run under the what-if options (see :func:`what_if`)."""
-    workload, generation = what_if(fit, batch=batch, engines=engines, lookahead=lookahead)
+    workload, generation = what_if(
+        fit,
+        batch=batch,
+        engines=engines,
+        lookahead=lookahead,
+        deterministic_chunks=deterministic_chunks,
+    )
     return simulate_minimums(
         workload, generation, fit.costs, fit.lengths, minimums=minimums, steps=steps, seed=seed
     )
@@ -492,6 +535,7 @@ def main(
     streaming: bool,
     steps: int,
     skip_steps: int = 1,
+    deterministic_chunks: bool | None = None,
 ) -> str:
     """What ``ppo-driver simulate`` prints (raises ValueError for bad options)."""
     fit = fit_run(run_dir, skip_steps=skip_steps)
@@ -503,6 +547,12 @@ def main(
             )
         minimums = [fit.workload.batch if batch is None else batch]
     table = simulate_run(
-        fit, minimums=minimums, batch=batch, engines=engines, lookahead=lookahead, steps=steps
+        fit,
+        minimums=minimums,
+        batch=batch,
+        engines=engines,
+        lookahead=lookahead,
+        deterministic_chunks=deterministic_chunks,
+        steps=steps,
     )
     return describe(fit) + "\n" + table.format()

@@ -96,6 +96,10 @@ _WORKLOAD_FLAGS = {
     "max_in_flight": "max_in_flight",
     "groups_per_call": "groups_per_call",
 }
+_WORKLOAD_SWITCHES = {
+    "deterministic_chunks": "async_rl.deterministic_chunks: fixed blocks, each once all its groups are done",
+    "merge_ready_blocks": "async_rl.merge_ready_blocks: every ready fixed block in one chunk",
+}
 _GENERATION_FLAGS = ("tokens_per_s", "concurrency", "engines", "batching", "latency_s")
 _COST_FLAGS = {
     "value_forward": "value_forward_per_sample",
@@ -133,6 +137,13 @@ def _simulate_parser() -> argparse.ArgumentParser:
     for flag in _WORKLOAD_FLAGS:
         kind = str if flag == "sampler" else int
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
+    for flag, key in _WORKLOAD_SWITCHES.items():
+        p.add_argument(
+            f"--{flag.replace('_', '-')}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{key} (default: the preset's, off)",
+        )
     for flag in _GENERATION_FLAGS:
         kind = str if flag == "batching" else int if flag in ("concurrency", "engines") else float
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
@@ -158,7 +169,8 @@ def simulate_main(argv: Sequence[str]) -> int:
     preset = PRESETS[args.preset]
     try:
         shape = dataclasses.asdict(preset.workload)
-        shape.update({k: getattr(args, k) for k in _WORKLOAD_FLAGS if getattr(args, k) is not None})
+        flags = [*_WORKLOAD_FLAGS, *_WORKLOAD_SWITCHES]
+        shape.update({k: getattr(args, k) for k in flags if getattr(args, k) is not None})
         shape["min_groups"] = min(shape["min_groups"], shape["batch"])  # a smaller --batch
         workload = Workload(**shape)
         generation: GenerationModel = _replaced(

@@ -15,7 +15,10 @@ the driver's pump does. What is modelled is time:
   embedded engine: a round takes every waiting group and ends with its longest one).
   Groups are dispatched in prompt order under the sampler's lookahead bound
   (``can_dispatch``) and ``max_in_flight``, when the driver polls: at a step's start,
-  at each arrival while it waits, and after the early refit.
+  at each arrival while it waits, and after the early refit. With
+  ``Workload.deterministic_chunks`` finished groups are filed in dispatch order and a
+  chunk is a fixed block once all its groups are done (every ready block at once with
+  ``merge_ready_blocks``), as the driver files and takes them.
 * **training** (:class:`TrainingCosts`), on one device timeline, in the pump's order
   (DESIGN.md's schedule): per chunk a value forward, a switch, the actor's forward and
   backward, and (when more chunks follow) the switch back, which runs while the pump
@@ -357,6 +360,14 @@ class Workload:
     groups_per_call: int = 1
     """Groups sent to an engine in one call (the driver's ``rollout.groups_per_call``):
     a call's groups come back together, when its slowest one is done."""
+    deterministic_chunks: bool = False
+    """``async_rl.deterministic_chunks`` (as the driver resolved it): every step is cut
+    into the fixed blocks of :func:`ppo_sampler.fixed_chunk_sizes`, and a block is
+    released once all its groups are done (groups are filed in dispatch order, as the
+    driver's rollout manager files them). Needs ``in_order`` without lookahead."""
+    merge_ready_blocks: bool = False
+    """``async_rl.merge_ready_blocks`` with ``deterministic_chunks``: every block that is
+    ready goes into one chunk (one call per model); without it each block is a chunk."""
 
     def __post_init__(self) -> None:
         own = "Workload"
@@ -365,6 +376,11 @@ class Workload:
         _count(own, "alignment", self.alignment, minimum=1)
         _count(own, "max_in_flight", self.max_in_flight, minimum=0)
         _count(own, "groups_per_call", self.groups_per_call, minimum=1)
+        if not isinstance(self.merge_ready_blocks, bool):
+            raise ValueError(
+                f"Workload: merge_ready_blocks={self.merge_ready_blocks!r} must be a bool "
+                "(async_rl.merge_ready_blocks)"
+            )
         single_chunk_only(batch=self.batch, min_groups=self.min_groups, alignment=self.alignment)
 
     def sampler_config(self) -> SamplerConfig:
@@ -374,6 +390,7 @@ class Workload:
             name=self.sampler,
             max_lookahead_versions=self.lookahead,
             max_staleness_versions=self.lookahead,
+            deterministic_chunks=self.deterministic_chunks,
         )
 
     @property
@@ -381,16 +398,21 @@ class Workload:
         return self.max_in_flight or self.batch * (1 + self.lookahead)
 
     def with_min_groups(self, min_groups: int) -> Workload:
-        return Workload(
-            batch=self.batch,
-            min_groups=min_groups,
-            samples_per_group=self.samples_per_group,
-            alignment=self.alignment,
-            sampler=self.sampler,
-            lookahead=self.lookahead,
-            max_in_flight=self.max_in_flight,
-            groups_per_call=self.groups_per_call,
+        return dataclasses.replace(self, min_groups=min_groups)
+
+    @property
+    def chunking(self) -> str:
+        """How chunks are cut, in words (the table's heading)."""
+        if not self.deterministic_chunks:
+            return "as groups arrive"
+        return "fixed blocks" + (
+            ", every ready one in one chunk" if self.merge_ready_blocks else ""
         )
+
+    @property
+    def merges_blocks(self) -> bool:
+        """Whether the blocks that are ready at a poll go into one chunk."""
+        return self.deterministic_chunks and self.merge_ready_blocks
 
 
 # ---------------------------------------------------------------------- results
@@ -504,7 +526,8 @@ class SimulationTable:
         wl = self.full_batch.workload
         lines = [
             f"SIMULATION (a projection, not a measurement): batch={wl.batch} groups x "
-            f"{wl.samples_per_group} samples, sampler={wl.sampler}, lookahead={wl.lookahead}",
+            f"{wl.samples_per_group} samples, sampler={wl.sampler}, lookahead={wl.lookahead}, "
+            f"chunks: {wl.chunking}",
             f"full batch: {self.full_batch.step_s:.3f} s/step, "
             f"idle {self.full_batch.idle_frac:.1%}",
             f"{'min':>5} {'step_s':>9} {'full_s':>9} {'speedup':>7} {'chunks':>6} "
@@ -597,6 +620,10 @@ class _Run:
         self.first_dispatch: dict[int, float] = {}
         self.last_finish: dict[int, float] = {}
         self.responses: dict[int, list[int]] = {}  # gid -> its samples' response lengths
+        # deterministic chunks: finished groups wait here until every group dispatched
+        # before them is filed (gid -> (step, version)); the next gid to file
+        self.held: dict[int, tuple[int, int]] = {}
+        self.next_to_file = 0
 
     def dispatch(self, now: float) -> None:
         """What the rollout manager sends at a poll: prompts in order, lookahead-bound,
@@ -640,23 +667,37 @@ class _Run:
             self.gen.done(engine)
             self.in_flight -= 1
             self.last_finish[step] = max(self.last_finish.get(step, end), end)
-            self.sampler.add(gid, step=step, weight_version=version)
+            if not self.wl.deterministic_chunks:
+                self.sampler.add(gid, step=step, weight_version=version)
+                continue
+            self.held[gid] = (step, version)  # filed in dispatch order (gids ascend)
+            while self.next_to_file in self.held:
+                step, version = self.held.pop(self.next_to_file)
+                self.sampler.add(self.next_to_file, step=step, weight_version=version)
+                self.next_to_file += 1
         self.dispatch(now)
 
     def wait_for_chunk(self, poll_s: float, step: int, remaining: int) -> tuple[float, list[int]]:
-        """Poll at ``poll_s`` and then at each arrival until the sampler releases a chunk."""
+        """Poll at ``poll_s`` and then at each arrival until the sampler releases a chunk
+        (with :attr:`Workload.merges_blocks`, every block that is ready: the pump's
+        ``ChunkGate.take``)."""
         now = poll_s
         while True:
             self.arrive_until(now)
-            ids = self.sampler.select(
-                trainer_step=step,
-                trainer_version=self.weight_version,
-                remaining=remaining,
-                min_groups=self.wl.min_groups,
-                alignment=self.wl.alignment,
-            )
+            ids: list[int] = []
+            while len(ids) < remaining:
+                block = self.sampler.select(
+                    trainer_step=step,
+                    trainer_version=self.weight_version,
+                    remaining=remaining - len(ids),
+                    min_groups=self.wl.min_groups,
+                    alignment=self.wl.alignment,
+                )
+                ids += [int(g) for g in block]
+                if not (block and self.wl.merges_blocks):
+                    break
             if ids:
-                return now, [int(g) for g in ids]
+                return now, ids
             assert self.arrivals, "the sampler waits while nothing is generating (a bug)"
             now = self.arrivals[0][0]
 
