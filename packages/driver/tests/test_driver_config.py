@@ -380,31 +380,46 @@ def test_deterministic_blocks_set_the_default_micro_batch(
     assert (actor.micro_batch_size, critic.micro_batch_size) == (actor_micro, critic_micro)
 
 
+DELAY = "rollout.decode_delay_s=0.1"
+
+
 @pytest.mark.parametrize(
-    ("overrides", "fixed"),
+    ("overrides", "fixed", "order"),
     [
-        pytest.param([], True, id="default"),
-        pytest.param(["rollout.decode_delay_s=0.1"], False, id="generation-devices"),
-        pytest.param(["async_rl.sampler.name=ready_first"], False, id="ready-first"),
-        pytest.param(["async_rl.sampler.max_lookahead_versions=1"], False, id="look-ahead"),
-        pytest.param(["async_rl.deterministic_chunks=false"], False, id="false"),
+        pytest.param([], True, "dispatch", id="default"),
+        pytest.param([DELAY], True, "length", id="generation-devices"),
         pytest.param(
-            ["rollout.decode_delay_s=0.1", "async_rl.deterministic_chunks=true"], True, id="true"
+            [DELAY, "async_rl.block_order=dispatch"], False, "dispatch", id="devices-dispatch"
+        ),
+        pytest.param(["async_rl.block_order=length"], True, "length", id="length"),
+        pytest.param(["async_rl.sampler.name=ready_first"], False, "dispatch", id="ready-first"),
+        pytest.param(
+            [DELAY, "async_rl.sampler.max_lookahead_versions=1"], False, "length", id="look-ahead"
+        ),
+        pytest.param(["async_rl.deterministic_chunks=false"], False, "dispatch", id="false"),
+        pytest.param(
+            [DELAY, "async_rl.block_order=dispatch", "async_rl.deterministic_chunks=true"],
+            True,
+            "dispatch",
+            id="true",
         ),
     ],
 )
 def test_deterministic_chunks_null_is_fixed_blocks_only_where_they_cost_nothing(
-    overrides: list[str], fixed: bool
+    overrides: list[str], fixed: bool, order: str
 ) -> None:
-    """null: fixed blocks with generation on the trainers' cores (training-bound: the
-    blocks are all done when a step starts) and a sampler that allows them; chunks by
-    arrival with generation on devices of its own, where a block would wait for its
-    slowest group. An explicit value stays, and true with ``ready_first`` is refused."""
+    """null: fixed blocks where they keep the overlap and the sampler allows them. With
+    generation on the trainers' cores (training-bound: the blocks are all done when a
+    step starts) in dispatch order; with generation on devices of its own in length
+    order (a block fills as its groups finish), and by arrival where the blocks would
+    be in dispatch order (a block would wait for its slowest group). An explicit value
+    stays, and true with ``ready_first`` is refused."""
     cfg, _ = load_config(None, overrides)
     assert cfg.async_rl.deterministic_chunks is (
         None if "deterministic" not in str(overrides) else fixed
     )
     assert cfg.fixed_chunks is fixed
+    assert cfg.block_order == order
     actor, _critic = trainer_configs(cfg, vocab_size=20)
     assert actor.micro_batch_size == (64 if fixed else 256)  # a block, or the step
     with pytest.raises(ConfigError, match=r"async_rl\.deterministic_chunks=false"):
@@ -422,4 +437,5 @@ def test_ready_blocks_merge_with_fixed_blocks_on_any_data_parallel_size() -> Non
     assert merges_ready_blocks(load_config(None, [])[0])
     assert merges_ready_blocks(load_config(None, ["cluster.actor_gpus=2"])[0])
     assert not merges_ready_blocks(load_config(None, ["async_rl.merge_ready_blocks=false"])[0])
-    assert not merges_ready_blocks(load_config(None, ["rollout.decode_delay_s=0.1"])[0])
+    arrival = ["async_rl.deterministic_chunks=false", "rollout.decode_delay_s=0.1"]
+    assert not merges_ready_blocks(load_config(None, arrival)[0])

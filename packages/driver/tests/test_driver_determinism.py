@@ -208,3 +208,58 @@ def test_merged_blocks_leave_the_bits_of_one_block_per_chunk_on_two_ranks(
     ] * 2
     with pytest.raises(AssertionError, match="differ"):
         assert_identical_checkpoint(tmp_path / "one block per chunk", contiguous, 2)
+
+
+# One sample per prompt, so the groups' lengths differ (a group of 4 random samples
+# nearly always runs to max_new_tokens) and the length order is not the prompt order.
+BY_LENGTH = [
+    "ppo.num_generations_per_prompt=1",
+    "ppo.critic_mini_batch_size=4",
+    "rollout.max_new_tokens=8",
+    "run.num_steps=2",
+    "run.seed=5",
+]
+
+
+def test_blocks_in_length_order_stream_early_and_equal_the_full_batch(tmp_path: Path) -> None:
+    """Generation on devices of its own (a decode delay): ``deterministic_chunks`` and
+    ``block_order`` null resolve to fixed blocks of 2 groups in the order of their
+    longest response, each group placed once the engine reports that every group still
+    out has drawn more tokens. So the blocks are the same whatever the pace: a run at
+    0.05 s per decode step, one block per chunk, and a run at 0.15 s, every ready block
+    in one chunk (and it streams: some step has several chunks), leave the same bits;
+    a full batch with the blocks as micro-batches (rows in the same length order)
+    leaves them too. A full batch in prompt order (``block_order=dispatch``) sums other
+    micro-batches, and must differ."""
+    from driver_testlib import assert_identical_checkpoint
+
+    micro = [f"{m}.train_micro_batch_size=2" for m in ("policy", "critic")]
+    runs = {
+        "streamed": [
+            "async_rl.min_groups_for_streaming_train=2",
+            PACES[1],
+            "async_rl.merge_ready_blocks=false",
+        ],
+        "streamed, slower, merged": ["async_rl.min_groups_for_streaming_train=2", PACES[0]],
+        "full batch": ["async_rl.min_groups_for_streaming_train=8", PACES[1], *micro],
+        "full batch, prompt order": [
+            "async_rl.min_groups_for_streaming_train=8",
+            PACES[1],
+            *micro,
+            "async_rl.block_order=dispatch",
+            "async_rl.deterministic_chunks=true",
+        ],
+    }
+    rows = {name: _train(tmp_path / name, [*BY_LENGTH, *o]) for name, o in runs.items()}
+    lengths = [r["rollout/group_len_max"] for r in rows["streamed"]]
+    assert any(step != sorted(step) for step in lengths), lengths  # not the prompt order
+    assert [r["train/chunk_groups"] for r in rows["streamed"]] == [[2, 2, 2, 2]] * 2
+    merged = [r["train/chunk_groups"] for r in rows["streamed, slower, merged"]]
+    assert any(len(c) > 1 for c in merged), merged
+    assert [r["train/chunk_groups"] for r in rows["full batch"]] == [[8]] * 2
+    for name in ("streamed, slower, merged", "full batch"):
+        for key in COMPARED:
+            assert [r[key] for r in rows[name]] == [r[key] for r in rows["streamed"]], (name, key)
+        assert_identical_checkpoint(tmp_path / "streamed", tmp_path / name, 2)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_identical_checkpoint(tmp_path / "streamed", tmp_path / "full batch, prompt order", 2)

@@ -7,9 +7,9 @@ wrote (the built-in task: 64 prompts x 4 samples, minimum 16), copied unchanged.
 ``data/sim_run_full``: the same files of a full-batch run of ``bench/bench_sim.py``'s
 ``balanced`` profile (larger models, 4 policy epochs: a log-prob pass, then 4 epochs
 over the batch), 5 steps. ``data/sim_run_gb``: steps 40-45 of a default run of
-``bench/bench_learning.py --profile generation-bound`` (0.1 s per decode step, so
-``deterministic_chunks: null`` cut its chunks as groups arrived), the trace's events of
-those steps only.
+``bench/bench_learning.py --profile generation-bound`` (0.1 s per decode step; it
+cut its chunks as groups arrived, which its ``config.yaml`` now says explicitly:
+``deterministic_chunks: false``), the trace's events of those steps only.
 """
 
 from __future__ import annotations
@@ -123,15 +123,18 @@ def _copy_run(run: Path, to: Path, **async_rl: object) -> Path:
 
 
 def test_chunks_are_cut_as_the_run_cut_them(tmp_path: Path) -> None:
-    """The generation-bound run's null resolved as ``train`` resolved it: chunks by
-    arrival (decode_delay_s > 0). Fixed blocks wait for each block's slowest group:
-    every chunk is whole blocks of 16 and the step is longer; a run that wrote ``true``
-    is simulated so, and a null under a look-ahead cuts by arrival again."""
+    """The generation-bound run cut its chunks as groups arrived (written ``false``:
+    ``null`` meant that there before ppo-driver 0.8.1). Fixed blocks in dispatch order
+    wait for each block's slowest group: every chunk is whole blocks of 16 and the step
+    is longer; a run that wrote ``true`` is simulated so. Today's ``null`` there is
+    fixed blocks in length order (filed as they finish): whole blocks too, and about
+    as early as by arrival. A null under a look-ahead cuts by arrival again."""
     fit = fit_run(GB_RUN)
-    assert fit.deterministic_given is None and not fit.workload.deterministic_chunks
+    assert fit.deterministic_given is False and not fit.workload.deterministic_chunks
     arrival = simulate_run(fit, minimums=[16])
     fixed = simulate_run(fit, minimums=[16], deterministic_chunks=True)
     assert fixed.full_batch.workload.deterministic_chunks
+    assert fixed.full_batch.workload.block_order == "dispatch"  # the run had no block_order
     assert fixed.full_batch.step_s == arrival.full_batch.step_s  # one chunk either way
     assert any(n % 16 for n in arrival.rows[0].chunk_groups)  # by arrival: any size
     assert all(n % 16 == 0 for n in fixed.rows[0].chunk_groups)
@@ -141,17 +144,25 @@ def test_chunks_are_cut_as_the_run_cut_them(tmp_path: Path) -> None:
     apart = fit_run(_copy_run(GB_RUN, tmp_path / "apart", merge_ready_blocks=False))
     one_per_block = simulate_run(apart, minimums=[16], deterministic_chunks=True)
     assert set(one_per_block.rows[0].chunk_groups) == {16}
+    now = fit_run(_copy_run(GB_RUN, tmp_path / "now", deterministic_chunks=None, block_order=None))
+    assert now.workload.deterministic_chunks and now.workload.block_order == "length"
+    by_length = simulate_run(now, minimums=[16])
+    assert all(n % 16 == 0 for n in by_length.rows[0].chunk_groups)
+    assert by_length.rows[0].step_s < fixed.rows[0].step_s
+    assert not simulate_run(
+        now, minimums=[16], lookahead=1
+    ).full_batch.workload.deterministic_chunks
     null = fit_run(_copy_run(RUN, tmp_path / "null", deterministic_chunks=None))
     assert null.workload.deterministic_chunks  # no decode delay: generation on shared cores
-    assert not simulate_run(
-        null, minimums=[16], lookahead=1
-    ).full_batch.workload.deterministic_chunks
+    assert null.workload.block_order == "dispatch"
 
 
 def test_cli_takes_the_chunking(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "--from", str(GB_RUN), "--min-groups", "16"]
     assert main([*argv, "--deterministic-chunks", "true"]) == 0
-    assert "chunks: fixed blocks, every ready one in one chunk" in capsys.readouterr().out
+    assert "chunks: fixed blocks in dispatch order, every ready one in one chunk" in (
+        capsys.readouterr().out
+    )
     assert main(argv) == 0
     assert "chunks: as groups arrive" in capsys.readouterr().out
     assert main([*argv, "--deterministic-chunks", "true", "--lookahead", "1"]) == 2

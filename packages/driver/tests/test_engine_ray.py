@@ -182,6 +182,41 @@ def test_pause_waits_for_the_running_group_and_blocks_new_ones(engines: list[Any
     ray.get(e.resume_memory.remote())
 
 
+def test_progress_bounds_each_running_groups_longest_response_from_below(
+    engines: list[Any],
+) -> None:
+    """``progress()``, asked while a round decodes (a control thread): every group out
+    that it lists has drawn fewer tokens than its longest response will have, the
+    counts grow, a group that finished is not listed, and nothing is once all are back
+    (what ``async_rl.block_order: length`` files by)."""
+    e = engines[0]
+    ray.get(e.set_step_delay.remote(0.02))
+    width = len(DATA.prompt_ids(40))
+    ids = [i for i in range(40, 64) if len(DATA.prompt_ids(i)) == width][:5]
+    refs = {i: e.generate.remote(_requests([i])) for i in ids}
+    reports: list[tuple[dict[int, int], set[int]]] = []
+    deadline = time.monotonic() + 120
+    while True:
+        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+        report = ray.get(e.progress.remote())
+        reports.append((report, {i for i, r in refs.items() if r in done}))
+        if len(done) == len(refs):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ray.get(e.set_step_delay.remote(0.0))
+    longest = {i: max(len(s.token_ids) for s in ray.get(r)[0].samples) for i, r in refs.items()}
+    assert reports[-1][0] == {} == ray.get(e.progress.remote())
+    assert any(d > 0 for report, _ in reports for d in report.values())  # seen mid-round
+    last: dict[int, int] = {}
+    for report, back in reports:
+        assert not back & set(report)  # back before the report was asked: not listed
+        for i, drawn in report.items():
+            assert drawn < longest[i], (i, drawn, longest[i])
+            assert drawn >= last.get(i, 0)
+            last[i] = drawn
+
+
 def test_calls_sent_together_share_a_round_and_short_groups_return_first(
     engines: list[Any],
 ) -> None:

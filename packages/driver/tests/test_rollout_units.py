@@ -7,7 +7,7 @@ import asyncio
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -637,6 +637,115 @@ def test_manager_files_groups_in_dispatch_order(
     ready = list(sampler.state_dict()["ready"])
     assert [g for g, _, _ in ready] == [g for ids in filed for g in ids]
     assert m.idle() and not m._held
+
+
+class _Progress:
+    """An engine handle: ``generate`` answers group ``g`` with samples of
+    ``LENGTHS[g]`` tokens; ``progress`` answers with :attr:`report` as it is then."""
+
+    LENGTHS: ClassVar[dict[int, int]] = {0: 5, 1: 2, 2: 7, 3: 2, 4: 4, 5: 9}
+
+    def __init__(self) -> None:
+        self.report: dict[int, int] = {}
+        self.asked = 0
+        self.generate = _Remote(lambda requests: ("generate", tuple(requests)))
+        self.progress = _Remote(self._ask)
+
+    def _ask(self) -> tuple[str, int]:
+        self.asked += 1
+        return ("progress", self.asked)
+
+    def answer(self, ref: Any) -> Any:
+        kind, value = ref
+        if kind == "progress":
+            return dict(self.report)
+        outputs = []
+        for r in value:
+            n = self.LENGTHS[r.prompt_index]
+            tokens = (5,) * (n - 1) + (TOK.eos_id,)
+            sample = SampleOutput(token_ids=tokens, logprobs=(0.0,) * n, finish_reason="stop")
+            outputs.append(
+                GroupOutput(
+                    prompt_index=r.prompt_index,
+                    prompt_ids=r.prompt_ids,
+                    samples=(sample,) * PARAMS.n,
+                    weight_version=0,
+                )
+            )
+        return outputs
+
+
+class _Remote:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+def test_manager_files_groups_by_length_once_no_group_out_can_come_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group is filed once every group still out has drawn at least its length (by
+    the engine's report; a group finished in the engine but not back is not in it and
+    holds the others), in the order of the longest response, prompt index among equals.
+    ``claim`` keeps that order."""
+    import ray
+    from ppo_driver.rollout import RolloutManager
+    from ppo_sampler import InOrderSampler
+
+    data = PromptDataset(synthetic_records(num_prompts=6, seed=0), TOK)
+    engine = _Progress()
+    monkeypatch.setattr(ray, "get", engine.answer)
+    monkeypatch.setattr(ray, "wait", lambda refs, **_: (list(refs), []))
+    sampler = InOrderSampler(max_lookahead_versions=0, fixed_chunks=True)
+    m = RolloutManager(
+        engines=[engine],
+        dataset=data,
+        sampler=sampler,
+        reward_fn=lambda **_: 0.0,
+        params=PARAMS,
+        prompts_per_step=6,
+        max_in_flight=6,
+        reward_timeout_s=None,
+        file_by_length=True,
+        progress_interval_s=0.0,
+    )
+    m._dispatch(0)
+    calls = {c.groups[0][0]: ref for ref, c in m._in_flight.items()}
+
+    def back(gid: int) -> list[int]:
+        return m._collect(calls[gid])
+
+    def report(drawn: dict[int, int]) -> list[int]:
+        engine.report = drawn
+        m._ask_progress()
+        m._read_progress()
+        return m._file_held()
+
+    filed = [back(1)]  # no report yet: every other group may still be shorter
+    filed.append(report({0: 2, 2: 2, 4: 2, 5: 2}))  # 3 finished too, but is not back
+    filed.append(back(3))
+    filed.append(report({0: 4, 2: 4, 5: 4, 1: 9}))  # 4 finished (not listed); 1 is filed
+    filed.append(back(4))
+    filed.append(back(0))
+    filed.append(report({2: 5, 5: 5}))
+    filed.append(back(2))
+    filed.append(back(5))  # nothing out: the rest goes
+    assert filed == [[], [], [1, 3], [], [4], [], [0], [], [2, 5]]
+    assert [g for g, _, _ in sampler.state_dict()["ready"]] == [1, 3, 4, 0, 2, 5]
+    batch = m.claim([0, 1, 2, 3, 4, 5])
+    assert batch["prompt_indices"][:: PARAMS.n].tolist() == [1, 3, 4, 0, 2, 5]
+    assert m.idle() and not m._held and not m._unfiled
+    with pytest.raises(ValueError, match="two filing orders"):
+        RolloutManager(
+            engines=[engine],
+            dataset=data,
+            sampler=sampler,
+            reward_fn=lambda **_: 0.0,
+            params=PARAMS,
+            prompts_per_step=6,
+            max_in_flight=6,
+            file_in_dispatch_order=True,
+            file_by_length=True,
+        )
 
 
 @pytest.mark.parametrize(

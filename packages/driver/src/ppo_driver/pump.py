@@ -42,7 +42,6 @@ Log lines (the document's way to verify chunking), for every chunk and every ste
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -397,9 +396,9 @@ class TrainPump:
     def _next_chunk(self, s: _StepState) -> ChunkBatch:
         ids, waited = self._wait_for_chunk(s.step)
         s.waited += waited
-        s.blocks = self._block_rows(ids)
         self.in_update = True  # checkpoint exclusion covers the whole update
         chunk = ChunkBatch.from_rollout(self.rollout.claim(ids))
+        s.blocks = self._block_rows(ids, chunk)
         if not s.chunks:
             s.denominator, s.final = self._loss_denominator(
                 chunk, whole_step=len(ids) == self.cfg.batch_groups
@@ -507,18 +506,23 @@ class TrainPump:
         self, s: _StepState, batch: StepBatch, *, final: float | None
     ) -> dict[str, float]:
         """Full batch, K > 1 epochs: the old log-probs from a separate forward, then one
-        forward + backward and one update per epoch over the whole batch."""
-        rows = Rows(batch.model_inputs())
+        forward + backward and one update per epoch over the whole batch, its rows in the
+        order the step's one chunk was claimed (``RolloutManager.claim``: by prompt
+        index, or by longest response with ``block_order: length``), so that its
+        micro-batches are those of the streamed blocks."""
+        (chunk,) = s.chunks
+        claimed = torch.argsort(torch.argsort(chunk.prompt_indices, stable=True))
+        rows = Rows({k: v[claimed] for k, v in batch.model_inputs().items()})
         old = self.pair.logprobs(rows, step=s.step, then=(Phase.POLICY_BACKWARD,))
         update: dict[str, float] = {}
         for epoch in range(self.cfg.ppo.ppo_epochs):
             out = self.pair.train_chunk(
                 self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step),
                 rows,
-                advantages=batch.need("advantages"),
+                advantages=batch.need("advantages")[claimed],
                 old_logprobs=old,
                 # the engine-vs-trainer gap, measured once
-                engine_logprobs=batch.engine_logprobs if epoch == 0 else None,
+                engine_logprobs=batch.engine_logprobs[claimed] if epoch == 0 else None,
                 loss_denominator=s.denominator,
             ).result()
             if epoch == 0:
@@ -646,19 +650,19 @@ class TrainPump:
                     )
             self.feed_generation(timeout_s=self._poll_s)
 
-    def _block_rows(self, ids: Sequence[int]) -> list[int]:
+    def _block_rows(self, ids: Sequence[int], chunk: ChunkBatch) -> list[int]:
         """The rows of each fixed block in a chunk of several (none for one block), in
-        the chunk's row order: groups in prompt-index order (``RolloutManager.claim``),
-        which keeps the blocks in order, as they are runs of the step's dispatch order."""
+        the chunk's row order. ``RolloutManager.claim`` orders the groups as they were
+        filed (by prompt index, or by longest response with ``block_order: length``),
+        which is the order the sampler took them in: so each block is a run of rows."""
         sizes = self.gate.blocks
         if len(sizes) < 2:
             return []
-        ends = list(itertools.accumulate(sizes))
-        parts = [ids[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-        if any(max(a) > min(b) for a, b in itertools.pairwise(parts)):
-            raise AssertionError(f"fixed blocks {parts} are not runs of the dispatch order")
+        rows = chunk.prompt_indices.tolist()
         n = self.cfg.ppo.num_generations_per_prompt
-        return [len(part) * n for part in parts]
+        if rows[::n] != list(ids):
+            raise AssertionError(f"the chunk's groups {rows[::n]} are not in the order taken {ids}")
+        return [size * n for size in sizes]
 
     # ---------------------------------------------------------------- small pieces
     @property

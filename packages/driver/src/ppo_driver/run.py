@@ -422,7 +422,9 @@ def _rollout_manager(
         groups_per_call=cfg.groups_per_call,
         on_engine_restart=refitter.restore_engine,
         reward_timeout_s=cfg.rollout.reward_timeout_s,
-        file_in_dispatch_order=cfg.fixed_chunks,
+        file_in_dispatch_order=cfg.fixed_chunks and cfg.block_order == "dispatch",
+        file_by_length=cfg.fixed_chunks and cfg.block_order == "length",
+        progress_interval_s=cfg.async_rl.poll_interval_s,
         max_consecutive_group_failures=cfg.rollout.max_consecutive_group_failures,
     )
 
@@ -568,7 +570,11 @@ def _loop(
     )
     log.info(
         "ppo-driver: %s, %d prompts x %d samples per step, minimum %d groups, %d step(s) -> %s",
-        ("streaming (fixed blocks)" if cfg.fixed_chunks else "streaming (chunks by arrival)")
+        (
+            f"streaming (fixed blocks in {cfg.block_order} order)"
+            if cfg.fixed_chunks
+            else "streaming (chunks by arrival)"
+        )
         if cfg.streaming
         else "full-batch",
         cfg.batch_groups,

@@ -49,8 +49,8 @@ from ppo_sampler import (
 )
 
 from ppo_driver._json import JSONValue, as_float, as_int
+from ppo_driver.config.schema import block_order, groups_per_call
 from ppo_driver.config.schema import deterministic_chunks as resolve_deterministic_chunks
-from ppo_driver.config.schema import groups_per_call
 from ppo_driver.trace import TraceEvent
 
 __all__ = ["FittedRun", "fit_run", "what_if"]
@@ -116,6 +116,8 @@ class FittedRun:
     generation's placement and the sampler, again under another lookahead)."""
     generation_placement: tuple[str, float] = ("embedded", 0.0)
     """The run's ``rollout.engine`` and ``rollout.decode_delay_s`` (what null resolves by)."""
+    block_order_given: str | None = "dispatch"
+    """The run's ``async_rl.block_order`` as written."""
 
 
 def _section(config: Mapping[str, JSONValue], key: str) -> Mapping[str, JSONValue]:
@@ -168,12 +170,15 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
     name = str(sampler.get("name", "in_order"))
     bound = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
     lookahead = as_int(sampler.get(bound, 0))
-    # a run recorded before the key cut its chunks as groups arrived
+    # a run recorded before the keys cut its chunks as groups arrived, or fixed blocks
+    # in dispatch order
     given = async_rl.get("deterministic_chunks", False)
+    order_given = async_rl.get("block_order", "dispatch")
     placement = (
         str(rollout.get("engine", "embedded")),
         as_float(rollout.get("decode_delay_s") or 0.0),
     )
+    fixed, order = _chunking(given, order_given, placement, sampler=name, lookahead=lookahead)
     workload = Workload(
         batch=batch,
         min_groups=min_groups,
@@ -182,8 +187,9 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
         lookahead=lookahead,
         max_in_flight=as_int(async_rl.get("max_prompts_in_flight", 0)),
         groups_per_call=_groups_per_call(rollout),
-        deterministic_chunks=_fixed_chunks(given, placement, sampler=name, lookahead=lookahead),
+        deterministic_chunks=fixed,
         merge_ready_blocks=bool(async_rl.get("merge_ready_blocks", True)),
+        block_order=order,
     )
     lengths = MeasuredLengths(
         lengths=tuple(int(n) for r in used for n in r["rollout/group_len_max"]), per_group=True
@@ -204,18 +210,33 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
         steps_used=len(used),
         deterministic_given=None if given is None else bool(given),
         generation_placement=placement,
+        block_order_given=None if order_given is None else str(order_given),
     )
 
 
-def _fixed_chunks(
-    given: JSONValue, placement: tuple[str, float], *, sampler: str, lookahead: int
-) -> bool:
-    """``async_rl.deterministic_chunks`` resolved as ``train`` resolves it."""
+def _chunking(
+    given: JSONValue,
+    order_given: JSONValue,
+    placement: tuple[str, float],
+    *,
+    sampler: str,
+    lookahead: int,
+) -> tuple[bool, str]:
+    """``async_rl.deterministic_chunks`` and ``async_rl.block_order`` resolved as
+    ``train`` resolves them."""
     engine, delay = placement
-    value = None if given is None else bool(given)
-    return resolve_deterministic_chunks(
-        value, engine=engine, decode_delay_s=delay, sampler=sampler, lookahead=lookahead
+    order = block_order(
+        None if order_given is None else str(order_given), engine=engine, decode_delay_s=delay
     )
+    fixed = resolve_deterministic_chunks(
+        None if given is None else bool(given),
+        engine=engine,
+        decode_delay_s=delay,
+        sampler=sampler,
+        lookahead=lookahead,
+        order=order,
+    )
+    return fixed, order
 
 
 def _groups_per_call(rollout: Mapping[str, JSONValue]) -> int:
@@ -457,14 +478,20 @@ def what_if(
     new_batch = wl.batch if batch is None else batch
     new_lookahead = wl.lookahead if lookahead is None else lookahead
     given = fit.deterministic_given if deterministic_chunks is None else deterministic_chunks
+    fixed, order = _chunking(
+        given,
+        fit.block_order_given,
+        fit.generation_placement,
+        sampler=wl.sampler,
+        lookahead=new_lookahead,
+    )
     workload = replace(
         wl,
         batch=new_batch,
         min_groups=min(wl.min_groups, new_batch),
         lookahead=new_lookahead,
-        deterministic_chunks=_fixed_chunks(
-            given, fit.generation_placement, sampler=wl.sampler, lookahead=new_lookahead
-        ),
+        deterministic_chunks=fixed,
+        block_order=order,
     )
     generation = fit.generation
     if engines is not None:

@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 BATCHING = ("continuous", "rounds")
+BLOCK_ORDERS = ("dispatch", "length")
 SCALING = ("sample", "padded", "packed")
 
 
@@ -368,6 +369,11 @@ class Workload:
     merge_ready_blocks: bool = False
     """``async_rl.merge_ready_blocks`` with ``deterministic_chunks``: every block that is
     ready goes into one chunk (one call per model); without it each block is a chunk."""
+    block_order: str = "dispatch"
+    """The driver's ``async_rl.block_order`` with ``deterministic_chunks``: the order the
+    fixed blocks cut a step's groups in. ``dispatch``: groups are filed in dispatch
+    order; ``length``: in the order of their longest response, which for groups that
+    decode together is the order they finish in, so they are filed as they finish."""
 
     def __post_init__(self) -> None:
         own = "Workload"
@@ -376,6 +382,11 @@ class Workload:
         _count(own, "alignment", self.alignment, minimum=1)
         _count(own, "max_in_flight", self.max_in_flight, minimum=0)
         _count(own, "groups_per_call", self.groups_per_call, minimum=1)
+        if self.block_order not in BLOCK_ORDERS:
+            raise ValueError(
+                f"Workload: block_order={self.block_order!r} is unknown; use one of "
+                f"{', '.join(BLOCK_ORDERS)} (async_rl.block_order)"
+            )
         if not isinstance(self.merge_ready_blocks, bool):
             raise ValueError(
                 f"Workload: merge_ready_blocks={self.merge_ready_blocks!r} must be a bool "
@@ -405,9 +416,8 @@ class Workload:
         """How chunks are cut, in words (the table's heading)."""
         if not self.deterministic_chunks:
             return "as groups arrive"
-        return "fixed blocks" + (
-            ", every ready one in one chunk" if self.merge_ready_blocks else ""
-        )
+        ready = ", every ready one in one chunk" if self.merge_ready_blocks else ""
+        return f"fixed blocks in {self.block_order} order{ready}"
 
     @property
     def merges_blocks(self) -> bool:
@@ -667,7 +677,7 @@ class _Run:
             self.gen.done(engine)
             self.in_flight -= 1
             self.last_finish[step] = max(self.last_finish.get(step, end), end)
-            if not self.wl.deterministic_chunks:
+            if not (self.wl.deterministic_chunks and self.wl.block_order == "dispatch"):
                 self.sampler.add(gid, step=step, weight_version=version)
                 continue
             self.held[gid] = (step, version)  # filed in dispatch order (gids ascend)

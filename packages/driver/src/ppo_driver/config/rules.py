@@ -67,6 +67,32 @@ def _check_dtype(r: ValidationReport, cfg: DriverConfig) -> None:
             )
 
 
+def _check_block_order(r: ValidationReport, cfg: DriverConfig) -> None:
+    """``async_rl.block_order``: ``length`` files groups by the engines' progress
+    reports, which only the embedded engine gives; and it orders fixed blocks only."""
+    order = cfg.async_rl.block_order
+    key = "async_rl.block_order"
+    if any(p.key == key for p in r.errors):
+        return  # an unknown value, reported by the field check
+    if order == "length" and cfg.rollout.engine != "embedded":
+        r.error(
+            key,
+            order,
+            f"needs the engines' progress reports (the tokens each group has drawn), "
+            f"which rollout.engine={cfg.rollout.engine} does not give",
+            f"set {key}=dispatch (fixed blocks wait for their slowest group) or "
+            "async_rl.deterministic_chunks=false (chunks as groups arrive)",
+        )
+    elif order is not None and not cfg.fixed_chunks:
+        r.warn(
+            key,
+            order,
+            "orders fixed blocks, and the chunks here are cut as groups arrive "
+            "(async_rl.deterministic_chunks resolved to false)",
+            f"remove {key}, or set async_rl.deterministic_chunks=true",
+        )
+
+
 def _check_colocated_lookahead(r: ValidationReport, cfg: DriverConfig) -> None:
     """Colocated generation time-shares the training devices: the engines hold them only
     while no trainer model is resident (between a step's refit and its batch). Generation

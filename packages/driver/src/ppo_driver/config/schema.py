@@ -81,20 +81,38 @@ def groups_per_call(given: int | None, *, engine: str, decode_delay_s: float) ->
     return EMBEDDED_GROUPS_PER_CALL if shared else 1
 
 
-def deterministic_chunks(
-    given: bool | None, *, engine: str, decode_delay_s: float, sampler: str, lookahead: int
-) -> bool:
-    """``async_rl.deterministic_chunks`` resolved: ``given``, or for null true where
-    fixed blocks cost no overlap and the sampler allows them: generation on the
-    trainers' cores (:func:`generation_on_shared_cores`: the steps are training-bound,
-    the next step's groups are all done when it starts), ``in_order`` without a
-    look-ahead. With generation on devices of its own the groups of a block finish over
-    the whole step (a block waits for its slowest), so null cuts chunks as groups
-    arrive, which overlaps more."""
+def block_order(given: str | None, *, engine: str, decode_delay_s: float) -> str:
+    """``async_rl.block_order`` resolved: ``given``, or for null ``dispatch`` with
+    generation on the trainers' cores (a step's groups are all done when it starts) and
+    ``length`` where generation has devices of its own and the engine reports its
+    progress (the embedded engine with a ``decode_delay_s``), else ``dispatch``."""
     if given is not None:
         return given
     shared = generation_on_shared_cores(engine=engine, decode_delay_s=decode_delay_s)
-    return shared and sampler == "in_order" and lookahead == 0
+    return "length" if engine == "embedded" and not shared else "dispatch"
+
+
+def deterministic_chunks(
+    given: bool | None,
+    *,
+    engine: str,
+    decode_delay_s: float,
+    sampler: str,
+    lookahead: int,
+    order: str = "dispatch",
+) -> bool:
+    """``async_rl.deterministic_chunks`` resolved: ``given``, or for null true where
+    fixed blocks keep the overlap and the sampler allows them (``in_order`` without a
+    look-ahead): generation on the trainers' cores (:func:`generation_on_shared_cores`:
+    the steps are training-bound, the next step's groups are all done when it starts),
+    or blocks in ``order`` ``length`` (:func:`block_order`: a block fills as its groups
+    finish). With generation on devices of its own and blocks in dispatch order the
+    groups of a block finish over the whole step (a block waits for its slowest), so
+    null cuts chunks as groups arrive, which overlaps more."""
+    if given is not None:
+        return given
+    shared = generation_on_shared_cores(engine=engine, decode_delay_s=decode_delay_s)
+    return (shared or order == "length") and sampler == "in_order" and lookahead == 0
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -124,6 +142,8 @@ class RunConfig(_Section):
 
 
 ADV_NORMALIZATIONS = ("previous_step", "chunk")
+BLOCK_ORDERS = ("dispatch", "length")
+"""``async_rl.block_order`` values: the order of a step's groups that fixed blocks cut."""
 
 
 @dataclass
@@ -180,6 +200,11 @@ class AsyncRLConfig(_Section):
     # with deterministic_chunks: every block that is ready in one chunk (true) or one
     # chunk per block (false); the same bits either way, fewer calls with true
     merge_ready_blocks: bool = True
+    # the order fixed blocks cut a step's groups in: dispatch (prompt order), or length
+    # (longest response first to last, by the engines' progress reports: a block fills as
+    # early as its groups finish); null: DriverConfig.block_order decides
+    block_order: str | None = bounded(None, " or ".join(BLOCK_ORDERS), choices=BLOCK_ORDERS,
+                                      example="length")  # fmt: skip
     max_prompts_in_flight: int = bounded(0, ">= 0")  # 0: num_prompts_per_step * (1 + lookahead)
     poll_interval_s: float = bounded(0.02, "> 0")
     sampler: SamplerCfg = field(default_factory=SamplerCfg)
@@ -317,10 +342,17 @@ class DriverConfig(_Section):
         )
 
     @property
+    def block_order(self) -> str:
+        """``async_rl.block_order`` resolved (:func:`block_order`)."""
+        ro = self.rollout
+        given = self.async_rl.block_order
+        return block_order(given, engine=ro.engine, decode_delay_s=ro.decode_delay_s)
+
+    @property
     def fixed_chunks(self) -> bool:
         """``async_rl.deterministic_chunks`` resolved (:func:`deterministic_chunks`: null
-        is true with generation on the trainers' cores and an ``in_order`` sampler
-        without look-ahead, else false)."""
+        is true with an ``in_order`` sampler without look-ahead where generation shares
+        the trainers' cores or the blocks follow response length, else false)."""
         ro, sampler = self.rollout, self.async_rl.sampler
         return deterministic_chunks(
             self.async_rl.deterministic_chunks,
@@ -328,6 +360,7 @@ class DriverConfig(_Section):
             decode_delay_s=ro.decode_delay_s,
             sampler=sampler.name,
             lookahead=sampler.max_lookahead_versions,
+            order=self.block_order,
         )
 
     @property

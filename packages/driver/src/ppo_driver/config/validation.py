@@ -13,6 +13,7 @@ from ppo_driver.config.preflight import _check_files
 from ppo_driver.config.problems import ValidationReport, ValidConfig
 from ppo_driver.config.rules import (
     _check_alignment,
+    _check_block_order,
     _check_colocated_lookahead,
     _check_dtype,
     _check_fields,
@@ -52,6 +53,7 @@ def validate(cfg: DriverConfig) -> ValidationReport:
     mesh_ok = _check_megatron(r, cfg)
     _check_layout(r, cfg)
     _check_colocated_lookahead(r, cfg)
+    _check_block_order(r, cfg)
     if mesh_ok:
         _check_alignment(r, cfg)
     _check_files(r, cfg)

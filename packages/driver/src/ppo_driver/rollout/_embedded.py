@@ -152,6 +152,8 @@ class EmbeddedEngine:
         self._groups: dict[str, RefitGroup] = {}
         self._slow_step_s = float(step_delay_s)
         self._step_t0 = 0.0  # when the current decode step started (pacing)
+        self._round: Sequence[_Ticket] = ()  # the groups decoding now
+        self._drawn = 0  # tokens every unfinished row of the running round has drawn
         self._needs_weights = restarted_by_ray()
         if self._needs_weights:
             _log.warning(
@@ -215,6 +217,7 @@ class EmbeddedEngine:
                 round_ = self._take_round()
                 self.rounds += 1
                 self._busy += len(round_)
+                self._round, self._drawn = round_, 0
             try:
                 self._run_round(round_)
             except BaseException as exc:
@@ -225,6 +228,7 @@ class EmbeddedEngine:
                 with self._cv:
                     for t in round_:
                         t.done = True
+                    self._round, self._drawn = (), 0
                     self._leading = False
                     self._busy -= len(round_)
                     self._wake_all()
@@ -299,14 +303,29 @@ class EmbeddedEngine:
                 params=params,
                 seeds=seeds,
                 device=self.device,
-                between_steps=self._between_steps if self._slow_step_s > 0 else None,
+                between_steps=self._between_steps,
                 on_finish=finished,
             )
 
     def _between_steps(self) -> None:
-        """Pace decode steps at ``step_delay_s`` each: sleep the rest of this one."""
-        time.sleep(max(0.0, self._step_t0 + self._slow_step_s - time.perf_counter()))
-        self._step_t0 = time.perf_counter()
+        """Count the round's decode steps; pace them at ``step_delay_s`` each (sleep the
+        rest of this one)."""
+        with self._cv:
+            self._drawn += 1
+        if self._slow_step_s > 0:
+            time.sleep(max(0.0, self._step_t0 + self._slow_step_s - time.perf_counter()))
+            self._step_t0 = time.perf_counter()
+
+    def progress(self) -> dict[int, int]:
+        """How far each group this engine holds and has not finished got: prompt index ->
+        tokens each of its unfinished samples has drawn (0 while it waits for a round).
+        Every sample still running draws at least one more token, so such a group's
+        longest response will be longer than this. A group that finished is not listed
+        (its ``generate`` call is returning). Read while rounds run (a control thread)."""
+        with self._cv:
+            out = {t.request.prompt_index: 0 for t in self._queue}
+            out.update({t.request.prompt_index: self._drawn for t in self._round if not t.done})
+            return out
 
     def set_gather_window(self, seconds: float) -> None:
         """How long a new round waits for another call to join it (default 50 ms)."""

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import time
 import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -102,6 +104,12 @@ class _Call:
     groups: list[tuple[int, int]]  # (group id, step)
 
 
+def longest(group: ScoredGroup) -> int:
+    """The tokens of a group's longest response: the decode steps it took (its samples
+    decode together); the key of ``file_by_length``."""
+    return max(len(s.token_ids) for s in group.output.samples)
+
+
 def _check_limits(
     *,
     engines: int,
@@ -155,6 +163,14 @@ class RolloutManager:
             the order they were dispatched, each once every group dispatched before it is
             filed or failed, instead of as they finish (``async_rl.deterministic_chunks``:
             the sampler's fixed chunks are then the same groups whatever the timing).
+        file_by_length: file finished groups in the order of their longest response
+            (prompt index among equals), each once no group still out can come before
+            it: every group still out has drawn at least that many tokens, by the
+            engines' :meth:`progress` reports (``async_rl.block_order: length``). The
+            sampler's fixed chunks are then the same groups whatever the timing, and
+            they fill as early as the groups finish. :meth:`claim` keeps that order.
+        progress_interval_s: with ``file_by_length``, the least time between two
+            progress reports asked of each engine.
     """
 
     def __init__(
@@ -173,7 +189,14 @@ class RolloutManager:
         reward_timeout_s: float | None = 60.0,
         max_consecutive_group_failures: int | None = 32,
         file_in_dispatch_order: bool = False,
+        file_by_length: bool = False,
+        progress_interval_s: float = 0.02,
     ) -> None:
+        if file_in_dispatch_order and file_by_length:
+            raise ValueError(
+                "RolloutManager: file_in_dispatch_order and file_by_length are two filing "
+                "orders; pick one (async_rl.block_order)"
+            )
         _check_limits(
             engines=len(engines),
             prompts_per_step=prompts_per_step,
@@ -195,11 +218,18 @@ class RolloutManager:
         self.reward_timeout_s = reward_timeout_s or None
         self.max_consecutive_group_failures = max_consecutive_group_failures
         self.file_in_dispatch_order = file_in_dispatch_order
+        self.file_by_length = file_by_length
+        self.progress_interval_s = float(progress_interval_s)
         # finished and scored, not yet filed: gid -> (group, step, weight version)
         self._held: dict[int, tuple[ScoredGroup, int, int]] = {}
-        # file_in_dispatch_order: dispatched ids neither filed nor failed, ascending (ids
-        # are handed out in increasing order)
+        # file_in_dispatch_order / file_by_length: dispatched ids neither filed nor
+        # failed, ascending (ids are handed out in increasing order)
         self._unfiled: dict[int, None] = {}
+        # file_by_length: each engine's progress call in flight, when the last was sent,
+        # and the tokens each group out has drawn at least (its latest report)
+        self._progress: dict[int, ObjectRef[dict[int, int]]] = {}
+        self._progress_sent = 0.0
+        self._drawn: dict[int, int] = {}
         self._failure_streak = 0
         self._streak_start = ""  # the first failure of the current streak, with traceback
         # dispatch position
@@ -249,6 +279,14 @@ class RolloutManager:
         self._dispatch(trainer_step)
         ready: list[int] = []
         if self._in_flight:
+            if self.file_by_length and self._held:
+                # a progress report may let held groups go: wake for it, and ask for one
+                # at most every progress_interval_s
+                self._ask_progress()
+                wake_on = [*wake_on, *self._progress.values()]
+                if not self._progress:
+                    later = self._progress_sent + self.progress_interval_s - time.monotonic()
+                    timeout_s = min(timeout_s, max(later, 0.0))
             woke, _ = ray.wait([*self._in_flight, *wake_on], num_returns=1, timeout=timeout_s)
             done = [ref for ref in woke if ref in self._in_flight]
             if woke:
@@ -258,11 +296,58 @@ class RolloutManager:
                 done = list(dict.fromkeys([*done, *more]))
             for ref in done:
                 ready.extend(self._collect(ref))
+            if self.file_by_length:
+                self._read_progress()
+                ready.extend(self._file_held())
         elif timeout_s > 0 and (self._pending or self._probes):
             self._wait_probes(timeout_s)
+        if self.file_by_length and self._held and not self._in_flight and not self._pending:
+            ready.extend(self._file_held())  # nothing is out: every held group goes
         self._probe_dead()
         self._dispatch(trainer_step)
         return ready
+
+    # -- filing by length ---------------------------------------------------------------
+    def _ask_progress(self) -> None:
+        """Ask every engine with groups out for a progress report, unless one is in
+        flight or the last was sent less than ``progress_interval_s`` ago."""
+        if self._progress or time.monotonic() - self._progress_sent < self.progress_interval_s:
+            return
+        engines = {c.engine for c in self._in_flight.values()}
+        for engine in sorted(engines):
+            if self._alive[engine]:
+                self._progress[engine] = self.engines[engine].progress.remote()
+        self._progress_sent = time.monotonic()
+
+    def _read_progress(self) -> None:
+        """Take in the progress reports that came back: a group's count only grows, and
+        only groups out on that engine take it (a re-dispatched group starts again)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if not self._progress:
+            return
+        done, _ = ray.wait(
+            list(self._progress.values()), num_returns=len(self._progress), timeout=0
+        )
+        for engine, ref in list(self._progress.items()):
+            if ref not in done:
+                continue
+            del self._progress[engine]
+            try:
+                report: dict[int, int] = ray.get(ref)
+            except (RayActorError, EngineRestarted):
+                continue  # the generate calls report the death
+            out = {g for c in self._in_flight.values() if c.engine == engine for g, _ in c.groups}
+            for gid, drawn in report.items():
+                if gid in out:
+                    self._drawn[gid] = max(self._drawn.get(gid, 0), int(drawn))
+
+    def _length_horizon(self) -> float:
+        """Every group still out (in flight or to re-dispatch) will have a longest
+        response above this many tokens (infinite when none is out)."""
+        out = [g for g in self._unfiled if g not in self._held]
+        return min((self._drawn.get(g, 0) for g in out), default=math.inf)
 
     def _step_to_fill(self) -> int:
         """The lowest step that still lacks groups (a failure reopens its step)."""
@@ -281,7 +366,7 @@ class RolloutManager:
             gid = self.next_prompt
             self.next_prompt += 1
             self._assigned[step] += 1
-            if self.file_in_dispatch_order:
+            if self.file_in_dispatch_order or self.file_by_length:
                 self._unfiled[gid] = None
             out.append((gid, step))
         return out
@@ -336,6 +421,7 @@ class RolloutManager:
             for g, s in reversed(call.groups):
                 self._pending.appendleft((g, s))
                 self.redispatched.append(g)
+                self._drawn.pop(g, None)
             return []
         for (gid, step), out in zip(call.groups, outputs, strict=True):
             assert out.prompt_index == gid, (out.prompt_index, gid)
@@ -364,6 +450,15 @@ class RolloutManager:
             while self._unfiled and (gid := next(iter(self._unfiled))) in self._held:
                 del self._unfiled[gid]
                 order.append(gid)
+        elif self.file_by_length:
+            horizon = self._length_horizon()
+            order = sorted(
+                (g for g, (group, _, _) in self._held.items() if longest(group) <= horizon),
+                key=lambda g: (longest(self._held[g][0]), g),
+            )
+            for gid in order:
+                del self._unfiled[gid]
+                self._drawn.pop(gid, None)
         else:
             order = list(self._held)
         for gid in order:
@@ -394,6 +489,7 @@ class RolloutManager:
 
     # -- engine restarts -------------------------------------------------------------------
     def _mark_dead(self, engine: int) -> None:
+        self._progress.pop(engine, None)  # a report from before the death is stale
         if self._alive[engine]:
             self._alive[engine] = False
             self._probes[engine] = self.engines[engine].health.remote()
@@ -443,7 +539,10 @@ class RolloutManager:
         arrived in depends on timing, and a batch's row order is its summation order
         (float32 addition is not associative), so a same-seed rerun must not depend on
         it."""
-        groups = self.buffer.claim(sorted(int(g) for g in group_ids))
+        ids = sorted(int(g) for g in group_ids)
+        if self.file_by_length:  # the filing order, which the fixed blocks follow
+            ids.sort(key=lambda g: (longest(self.buffer.get(g)), g))
+        groups = self.buffer.claim(ids)
         return build_batch(groups, pad_id=self.dataset.tokenizer.pad_id)
 
     def unclaim(self, group_ids: Sequence[int | str]) -> None:
@@ -504,7 +603,8 @@ class RolloutManager:
         self._fill_step = 0
         self._pending = deque((int(g), int(s)) for g, s in meta["to_dispatch"])
         self._held = {}
-        if self.file_in_dispatch_order:
+        self._drawn = {}
+        if self.file_in_dispatch_order or self.file_by_length:
             self._unfiled = dict.fromkeys(sorted(g for g, _ in self._pending))
         self.failures = [GroupFailure(int(g), int(s), str(m)) for g, s, m in meta["failures"]]
 
