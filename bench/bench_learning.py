@@ -23,11 +23,13 @@ Profiles (``--profile``):
 * ``generation-bound``: generation on devices of its own, emulated by
   ``rollout.decode_delay_s`` (the engine sleeps 0.1 s per decode step, off the trainers'
   cores, as ``bench_driver``'s ``separate``); 80 steps. Streaming trains the chunks that
-  are done while the rest generates. The default (here its chunks are cut as groups
-  arrive: ``async_rl.deterministic_chunks: null`` with a decode delay), the default with
-  fixed blocks (``fixed-blocks``: ``async_rl.deterministic_chunks=true``, which learns
-  what the full batch learns bit for bit) and the full batch (the minimal loop has no
-  separate generation); default / full batch and fixed-blocks / full batch.
+  are done while the rest generates. The default (here fixed blocks in length order:
+  ``async_rl.deterministic_chunks`` and ``async_rl.block_order`` null with a decode
+  delay; it learns what the full batch learns bit for bit), the default with its chunks
+  cut as groups arrive (``by-arrival``: ``async_rl.deterministic_chunks=false``, the
+  default before ppo-driver 0.8.1) and the full batch (its rows in the same length
+  order; the minimal loop has no separate generation); default / full batch and
+  by-arrival / full batch.
 
 Any further overrides apply to every project run (and the minimal loop's settings).
 The load average is printed with every run: wall times on a loaded machine are inflated.
@@ -180,15 +182,15 @@ PROFILES: dict[str, list[str]] = {
 # the runs of each profile; each is compared with the other runs named in RATIOS
 RUNS = {
     "task": ["default", "full-batch", "minimal"],
-    "generation-bound": ["default", "fixed-blocks", "full-batch"],
+    "generation-bound": ["default", "by-arrival", "full-batch"],
 }
 RATIOS = {
     "task": [("default", "full-batch"), ("default", "minimal")],
-    "generation-bound": [("default", "full-batch"), ("fixed-blocks", "full-batch")],
+    "generation-bound": [("default", "full-batch"), ("by-arrival", "full-batch")],
 }
-# fixed-blocks: the default with its chunks in fixed blocks (with generation on devices
-# of its own the default cuts them as groups arrive)
-RUN_OVERRIDES = {"fixed-blocks": ["async_rl.deterministic_chunks=true"]}
+# by-arrival: the default with its chunks cut as groups arrive (with generation on
+# devices of its own the default cuts fixed blocks in length order)
+RUN_OVERRIDES = {"by-arrival": ["async_rl.deterministic_chunks=false"]}
 
 
 def main() -> None:

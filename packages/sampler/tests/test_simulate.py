@@ -178,11 +178,45 @@ def test_fixed_blocks_wait_for_their_slowest_group_and_merge_when_ready() -> Non
     assert three - one == pytest.approx(saved, rel=1e-12)
 
 
+def test_blocks_in_length_order_fill_as_groups_finish() -> None:
+    """``block_order="length"``: the seven 10-token groups are filed at 10 s (every
+    group out has drawn 10 tokens by then), so the first block trains then, as by
+    arrival: 44 s. With two decoding slots, groups that wait for a slot hold the order
+    back: lengths 10, 2, 3, 4 start at 0, 0, 2 and 5 s (1 token/s); group 1 (2 tokens)
+    is filed once group 3 has drawn 2 tokens (7 s) and group 2 once group 3 has drawn
+    3 (8 s): block {1, 2} trains at 8 s and {3, 0} after it (3 s a group): 20 s, against
+    17 s by arrival ({1, 2} at 5 s) and 22 s in dispatch order (both blocks at 10 s)."""
+    costs = TrainingCosts(actor_train_per_sample=1.0)
+    wl = Workload(batch=12, min_groups=4, lookahead=0, deterministic_chunks=True)
+    length = dataclasses.replace(wl, block_order="length")
+    result = simulate(length, SECONDS_PER_TOKEN, costs, SLOW_BLOCK_0, steps=2, warmup_steps=0)
+    assert {s.chunk_groups for s in result.steps} == {(4, 4, 4)}
+    assert result.step_s == pytest.approx(44.0, rel=1e-12)
+    two_slots = GenerationModel(tokens_per_s=2.0, concurrency=2, batching="continuous")
+    queued = MeasuredLengths(lengths=(10, 2, 3, 4), resample=False)
+    slow = TrainingCosts(actor_train_per_sample=3.0)
+    small = Workload(batch=4, min_groups=2, lookahead=0)
+    for workload, step_s in (
+        (small, 17.0),
+        (dataclasses.replace(small, deterministic_chunks=True, merge_ready_blocks=True), 22.0),
+        (
+            dataclasses.replace(
+                small, deterministic_chunks=True, merge_ready_blocks=True, block_order="length"
+            ),
+            20.0,
+        ),
+    ):
+        got = simulate(workload, two_slots, slow, queued, steps=2, warmup_steps=0)
+        assert got.step_s == pytest.approx(step_s, rel=1e-12), workload.chunking
+
+
 def test_fixed_blocks_need_what_the_sampler_needs() -> None:
     with pytest.raises(ValueError, match="deterministic_chunks"):
         Workload(batch=12, min_groups=4, lookahead=1, deterministic_chunks=True)
     with pytest.raises(ValueError, match="merge_ready_blocks='yes' must be a bool"):
         Workload(batch=12, min_groups=4, merge_ready_blocks="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_order='sideways' is unknown"):
+        Workload(batch=12, min_groups=4, block_order="sideways")
 
 
 def test_longest_group_sets_generation_time() -> None:

@@ -95,6 +95,7 @@ _WORKLOAD_FLAGS = {
     "lookahead": "lookahead",
     "max_in_flight": "max_in_flight",
     "groups_per_call": "groups_per_call",
+    "block_order": "block_order",
 }
 _WORKLOAD_SWITCHES = {
     "deterministic_chunks": "async_rl.deterministic_chunks: fixed blocks, each once all its groups are done",
@@ -135,7 +136,7 @@ def _simulate_parser() -> argparse.ArgumentParser:
     p.add_argument("--lognormal", default=None, metavar="MEDIAN,SIGMA,MAX", help="length model")
     kind: type[str] | type[int] | type[float]
     for flag in _WORKLOAD_FLAGS:
-        kind = str if flag == "sampler" else int
+        kind = str if flag in ("sampler", "block_order") else int
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
     for flag, key in _WORKLOAD_SWITCHES.items():
         p.add_argument(

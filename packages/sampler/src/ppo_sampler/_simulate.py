@@ -634,6 +634,9 @@ class _Run:
         # before them is filed (gid -> (step, version)); the next gid to file
         self.held: dict[int, tuple[int, int]] = {}
         self.next_to_file = 0
+        # every group dispatched and not filed: gid -> (when it began decoding, its longest
+        # response, when its call returns, its step); block_order "length" files by it
+        self.out: dict[int, tuple[float, int, float, int]] = {}
 
     def dispatch(self, now: float) -> None:
         """What the rollout manager sends at a poll: prompts in order, lookahead-bound,
@@ -644,17 +647,21 @@ class _Run:
             engine = self.gen.least_loaded()
             call: list[tuple[int, int]] = []  # (gid, step)
             end = now
+            starts: list[tuple[float, int]] = []  # (its decoding's start, its longest)
             while len(call) < min(room, self.wl.groups_per_call):
                 step = self.next_gid // self.wl.batch
                 if not self.sampler.can_dispatch(step, trainer_step=self.admit):
                     break
-                _, finish = self.gen.finish_time(now, self._group_len(self.next_gid), engine)
+                longest = self._group_len(self.next_gid)
+                _, finish = self.gen.finish_time(now, longest, engine)
+                starts.append((finish - longest * self.gen.model.seconds_per_token, longest))
                 end = max(end, finish)
                 self.first_dispatch.setdefault(step, now)
                 call.append((self.next_gid, step))
                 self.next_gid += 1
-            for gid, step in call:
+            for (gid, step), (begun, longest) in zip(call, starts, strict=True):
                 heapq.heappush(self.arrivals, (end, gid, step, self.weight_version, engine))
+                self.out[gid] = (begun, longest, end, step)
             self.in_flight += len(call)
             if len(call) < self.wl.groups_per_call:
                 return  # the sampler admits no more (or no room): the rest waits
@@ -677,15 +684,56 @@ class _Run:
             self.gen.done(engine)
             self.in_flight -= 1
             self.last_finish[step] = max(self.last_finish.get(step, end), end)
-            if not (self.wl.deterministic_chunks and self.wl.block_order == "dispatch"):
+            if not self.wl.deterministic_chunks:
+                self.out.pop(gid)
                 self.sampler.add(gid, step=step, weight_version=version)
                 continue
-            self.held[gid] = (step, version)  # filed in dispatch order (gids ascend)
-            while self.next_to_file in self.held:
-                step, version = self.held.pop(self.next_to_file)
-                self.sampler.add(self.next_to_file, step=step, weight_version=version)
-                self.next_to_file += 1
+            self.held[gid] = (step, version)
+            if self.wl.block_order == "dispatch":  # in dispatch order (gids ascend)
+                while self.next_to_file in self.held:
+                    step, version = self.held.pop(self.next_to_file)
+                    self.out.pop(self.next_to_file)
+                    self.sampler.add(self.next_to_file, step=step, weight_version=version)
+                    self.next_to_file += 1
+        if self.wl.deterministic_chunks and self.wl.block_order == "length":
+            self._file_by_length(now)
         self.dispatch(now)
+
+    def _release(self, gid: int, tokens: int) -> float:
+        """When group ``gid`` no longer holds back a group whose longest response has
+        ``tokens``: once it has drawn that many (the engines' progress reports), or, if
+        it is not longer, once its call is back."""
+        begun, longest, back, _ = self.out[gid]
+        if longest > tokens:
+            return begun + tokens * self.gen.model.seconds_per_token
+        return back
+
+    def _filing_time(self, gid: int) -> float:
+        """block_order "length": when held group ``gid`` can be filed (infinite while a
+        group of its step is not dispatched yet)."""
+        _, tokens, _, step = self.out[gid]
+        if self.next_gid < (step + 1) * self.wl.batch:
+            return math.inf
+        others = [h for h, o in self.out.items() if o[3] == step and h not in self.held]
+        return max((self._release(h, tokens) for h in others), default=-math.inf)
+
+    def _file_by_length(self, now: float) -> None:
+        """File the held groups no group out can come before, by longest response (group
+        id among equals), as the driver's rollout manager does."""
+        # a shorter group can be filed no later than a longer one: stop at the first held
+        for gid in sorted(self.held, key=lambda g: (self.out[g][1], g)):
+            if self._filing_time(gid) > now:
+                break
+            step, version = self.held.pop(gid)
+            self.out.pop(gid)
+            self.sampler.add(gid, step=step, weight_version=version)
+
+    def _next_event(self) -> float:
+        """The next arrival, or the next time a held group can be filed."""
+        filing = math.inf
+        if self.held and self.wl.deterministic_chunks and self.wl.block_order == "length":
+            filing = self._filing_time(min(self.held, key=lambda g: (self.out[g][1], g)))
+        return min(self.arrivals[0][0] if self.arrivals else math.inf, filing)
 
     def wait_for_chunk(self, poll_s: float, step: int, remaining: int) -> tuple[float, list[int]]:
         """Poll at ``poll_s`` and then at each arrival until the sampler releases a chunk
@@ -708,8 +756,8 @@ class _Run:
                     break
             if ids:
                 return now, ids
-            assert self.arrivals, "the sampler waits while nothing is generating (a bug)"
-            now = self.arrivals[0][0]
+            now = self._next_event()
+            assert math.isfinite(now), "the sampler waits while nothing is generating (a bug)"
 
     def step(self, step: int, start: float) -> SimStep:
         c, wl = self.costs, self.wl
