@@ -435,6 +435,7 @@ class RolloutManager:
                 )
             except RewardError as exc:
                 self._unfiled.pop(gid, None)
+                self._drawn.pop(gid, None)
                 self._group_failed(gid, step, exc)
                 continue
             self._failure_streak = 0
