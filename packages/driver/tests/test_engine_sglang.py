@@ -6,6 +6,7 @@ and the ``sglang`` extra (``gpu`` marker, skipped here)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import subprocess
@@ -176,10 +177,14 @@ class _FakeSglEngine:
       weights without ``enable_weights_cpu_backup`` loses their contents; resuming a tag
       that is not released raises (sglang's ``offload_tags.remove``); a weight update
       into released weights memory is an illegal memory access (raised here);
-    - generating from lost weights gives sglang's NaN-guard finish.
+    - generating from lost weights gives sglang's NaN-guard finish;
+    - like sglang's ``Engine``, it makes an event loop for the thread that builds it
+      (``loop``), ``async_generate`` runs on it and ``generate`` drives it.
 
     ``weights``: the tensors the model holds (None: lost); ``fail_update``: a message
-    the next tensor update fails with."""
+    the next tensor update fails with; ``running`` / ``peak_running``: requests in
+    ``async_generate`` now / at most; ``hold_until_running``: a request waits (up to 30
+    s, then fails) until that many are in flight together."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -189,6 +194,11 @@ class _FakeSglEngine:
         self.offloaded: set[str] = set()
         self.session = False
         self.fail_update: str | None = None
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.running = self.peak_running = 0
+        self.hold_until_running = 0
+        self.delay_s = 0.01
 
     def _mark(self, name: str) -> None:
         self.calls.append((name, threading.get_ident()))
@@ -244,17 +254,35 @@ class _FakeSglEngine:
         self.weights = {"from_disk": torch.zeros(1)}
         return True, "Succeeded to update model weights.", 0
 
-    def generate(
+    def generate(self, **kwargs: Any) -> list[dict[str, Any]]:
+        self._mark("generate")
+        out: list[dict[str, Any]] = self.loop.run_until_complete(self.async_generate(**kwargs))
+        return out
+
+    async def async_generate(
         self,
         *,
         input_ids: list[list[int]],
         sampling_params: list[dict[str, Any]],
         return_logprob: bool,
     ) -> list[dict[str, Any]]:
-        self._mark("generate")
+        self._mark("async_generate")
         assert return_logprob and len(input_ids) == len(sampling_params)
         assert not self.offloaded, f"generate with {sorted(self.offloaded)} released"
-        time.sleep(0.01)
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
+        try:
+            deadline = time.monotonic() + 30
+            while self.running < self.hold_until_running:
+                assert time.monotonic() < deadline, f"{self.running} request(s) in flight"
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.running -= 1
+            self._mark("async_generate done")
+        return self._outputs(input_ids)
+
+    def _outputs(self, input_ids: list[list[int]]) -> list[dict[str, Any]]:
         if self.weights is None:  # garbage weights: NaN logits
             return [
                 {
@@ -292,6 +320,7 @@ class _FakeSglEngine:
 
     def shutdown(self) -> None:
         self._mark("shutdown")
+        self.loop.close()
 
 
 @pytest.fixture
@@ -337,18 +366,73 @@ def test_engine_arguments_and_one_sglang_thread(fake_sglang: None) -> None:
         assert out.samples[0].finish_reason == "stop"
 
 
+def _wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_concurrent_calls_are_in_sglang_together(fake_sglang: None) -> None:
+    """One group per call (the driver's default with sglang) must not mean one group at
+    a time: concurrent calls are in sglang together, for its continuous batching. The
+    stand-in holds every request until 4 are in flight at once (fails after 30 s)."""
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    fake = engine.engine
+    fake.hold_until_running = 4
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: engine.generate([_request(i)]), range(4)))
+    assert fake.peak_running == 4
+    assert [out.prompt_index for (out,) in outs] == [0, 1, 2, 3]
+    assert engine.health().groups_served == 4
+    assert len({t for _, t in fake.calls}) == 1  # still sglang's own thread only
+    fake.hold_until_running = 0
+    (out,) = engine.generate([_request(9)])  # the loop serves again after going idle
+    assert out.prompt_index == 9
+    engine.shutdown()
+
+
+def test_a_weight_update_waits_for_the_calls_in_flight_and_holds_new_ones(
+    fake_sglang: None,
+) -> None:
+    """Every output carries the version that produced all its samples: an update waits
+    until the requests in flight are done, and a call that comes while it waits
+    generates after it, with the new weights."""
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    fake = engine.engine
+    fake.delay_s = 0.3
+    with ThreadPoolExecutor(5) as pool:
+        first = [pool.submit(engine.generate, [_request(i)]) for i in range(3)]
+        _wait_for(lambda: fake.running == 3, "3 requests in sglang")
+        update = pool.submit(engine.update_weights_from_hf_dir, "/new", version=1)
+        _wait_for(lambda: engine._gate._waiting == 1, "the update to wait")
+        late = pool.submit(engine.generate, [_request(7)])
+        assert update.result(timeout=60) == 1
+        assert [f.result(timeout=60)[0].weight_version for f in first] == [0, 0, 0]
+        assert late.result(timeout=60)[0].weight_version == 1
+    names = [name for name, _ in fake.calls]
+    at = names.index("update_weights_from_disk")
+    assert names[:at].count("async_generate done") == 3
+    assert names[at:].count("async_generate") == 1  # the late call, after the update
+    engine.shutdown()
+
+
 def test_per_sample_seeds_and_stop_tokens_reach_sglang(fake_sglang: None) -> None:
     from ppo_driver.rollout import SglangEngine, sample_seed
 
     engine = SglangEngine(model_path="/m", run_seed=5)
     seen: list[dict[str, Any]] = []
-    original = engine.engine.generate
+    original = engine.engine.async_generate
 
     def spy(**kwargs: Any) -> Any:
         seen.extend(kwargs["sampling_params"])
         return original(**kwargs)
 
-    engine.engine.generate = spy
+    engine.engine.async_generate = spy
     engine.generate([_request(11, n=3)])
     assert [p["sampling_seed"] for p in seen] == [
         sample_seed(run_seed=5, prompt_index=11, sample_index=j, weight_version=0) % 2**31

@@ -21,18 +21,27 @@ reproducible.
 
 ``sglang.Engine`` drives an asyncio event loop from the thread that calls it, and Ray
 runs a threaded actor's calls on a pool of threads: every call into sglang (its
-construction included) therefore runs on ONE thread the engine owns.
+construction included) therefore runs on ONE thread the engine owns. Generation calls
+are not queued one behind another on it: while any is in flight, that thread runs
+sglang's loop, and every ``generate`` call's samples go to sglang as their own request
+(``Engine.async_generate``), so concurrent calls are decoded together by sglang's
+continuous batching and each call returns when its own samples are done (one group per
+call, the driver's default with sglang, gets every group back as it finishes). Weight
+updates and memory calls wait for the calls in flight and hold new ones back (a
+:class:`_Gate`), so every output carries the version that produced all its samples.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
 import threading
 import types
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NotRequired, TypedDict, TypeVar
 
 import torch
@@ -197,6 +206,54 @@ def materialize_model(model: ModelSpec | str, directory: str | None = None) -> s
     return out
 
 
+async def _set(event: asyncio.Event) -> None:
+    await event.wait()
+
+
+class _Gate:
+    """A shared/exclusive gate: generation calls pass together (``shared``); weight
+    updates and memory calls pass alone (``exclusive``), once the calls in flight are
+    done, and a waiting exclusive call holds new shared ones back, so a refit is not
+    starved by a stream of generation calls."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cv:
+            while self._exclusive or self._waiting:
+                self._cv.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._shared -= 1
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cv:
+            self._waiting += 1
+            while self._exclusive or self._shared:
+                self._cv.wait()
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._exclusive = False
+                self._cv.notify_all()
+
+
+_Request = tuple[list[list[int]], list["SglangSampling"], "Future[list[SglangOutput]]"]
+
+
 class SglangEngine:
     """:class:`RolloutEngine` over ``sglang.Engine``.
 
@@ -275,13 +332,22 @@ class SglangEngine:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
         path = model_path if model is None else materialize_model(model)
         self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
+        # the loop sglang's engine drives on its thread (sglang 0.5.x keeps it as
+        # ``Engine.loop``; older ones use the thread's current loop)
+        self._loop: asyncio.AbstractEventLoop = self._call(
+            lambda: getattr(self.engine, "loop", None) or asyncio.get_event_loop()
+        )
+        self._queue: list[_Request] = []  # generate calls not yet handed to sglang
+        self._queue_lock = threading.Lock()
+        self._serving = False  # the sglang thread runs (or will run) _serve
+        self._wake: asyncio.Event | None = None
         self._closed = False
         self.engine_id = engine_id
         self.run_seed = int(run_seed)
         self.weight_version = int(weight_version)
         self.incarnation = uuid.uuid4().hex
         self.groups_served = 0
-        self._lock = threading.Lock()
+        self._gate = _Gate()
         self._running = threading.Condition()
         self._busy = 0
         self._unpaused = threading.Event()
@@ -298,7 +364,8 @@ class SglangEngine:
             self.release_memory()
 
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
-        """All groups of the call go to sglang as one batch."""
+        """All groups of the call go to sglang as one request, beside those of the other
+        calls in flight (see the module docstring)."""
         check_requests(requests)
         if self._needs_weights:
             raise EngineRestarted(
@@ -308,7 +375,7 @@ class SglangEngine:
             )
         self._enter_generation()
         try:
-            with self._lock:
+            with self._gate.shared():
                 if self._released:
                     raise RuntimeError(
                         f"engine {self.engine_id}: generate() while memory is released"
@@ -319,18 +386,79 @@ class SglangEngine:
                     )
                 version = self.weight_version
                 input_ids, sampling = self._batch(requests, version=version)
-                raw: list[SglangOutput] = self._call(
-                    self.engine.generate,
-                    input_ids=input_ids,
-                    sampling_params=sampling,
-                    return_logprob=True,
-                )
-                self.groups_served += len(requests)
+                raw = self._submit(input_ids, sampling).result()
+                with self._queue_lock:
+                    self.groups_served += len(requests)
         finally:
             with self._running:
                 self._busy -= 1
                 self._running.notify_all()
         return self._group_outputs(requests, raw, version=version)
+
+    def _submit(
+        self, input_ids: list[list[int]], sampling: list[SglangSampling]
+    ) -> Future[list[SglangOutput]]:
+        """Queue one request for sglang; the sglang thread serves the queue while any
+        request is queued or in flight (:meth:`_serve`)."""
+        done: Future[list[SglangOutput]] = Future()
+        with self._queue_lock:
+            self._queue.append((input_ids, sampling, done))
+            start, self._serving = not self._serving, True
+        if start:
+            self._thread.submit(self._serve)
+        else:  # _serve is running or about to: wake it if it waits for its requests
+            self._loop.call_soon_threadsafe(self._poke)
+        return done
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _serve(self) -> None:
+        """On the sglang thread: run sglang's loop until no request is queued or in
+        flight. A failure of the loop itself fails the requests still queued."""
+        try:
+            self._loop.run_until_complete(self._serve_queue())
+        except BaseException as exc:
+            with self._queue_lock:
+                queued, self._queue, self._serving = self._queue, [], False
+            for *_, done in queued:
+                done.set_exception(exc)
+            raise
+
+    async def _serve_queue(self) -> None:
+        wake = self._wake = asyncio.Event()
+        running: set[asyncio.Future[None]] = set()
+        while True:
+            with self._queue_lock:
+                taken, self._queue = self._queue, []
+                if not taken and not running:
+                    self._serving = False
+                    self._wake = None
+                    return
+            running |= {asyncio.ensure_future(self._one(*request)) for request in taken}
+            wake.clear()
+            woken = asyncio.ensure_future(_set(wake))
+            await asyncio.wait([*running, woken], return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            running = {task for task in running if not task.done()}
+
+    async def _one(
+        self,
+        input_ids: list[list[int]],
+        sampling: list[SglangSampling],
+        done: Future[list[SglangOutput]],
+    ) -> None:
+        try:
+            raw: list[SglangOutput] = await self.engine.async_generate(
+                input_ids=input_ids, sampling_params=sampling, return_logprob=True
+            )
+        except BaseException as exc:
+            done.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        done.set_result(raw)
 
     def _enter_generation(self) -> None:
         """Wait until generation is not paused, then count this call as running."""
@@ -401,7 +529,7 @@ class SglangEngine:
 
     def release_memory(self) -> None:
         """Release all of sglang's GPU memory (see the class docstring for the weights)."""
-        with self._lock:
+        with self._gate.exclusive():
             if self._released:
                 _log.info("engine %s: already released", self.engine_id)
                 return
@@ -411,7 +539,7 @@ class SglangEngine:
     def resume_memory(self) -> None:
         """Bring back what ``release_memory`` released and a refit has not (the weights
         come back with the first refit while released)."""
-        with self._lock:
+        with self._gate.exclusive():
             if not self._released:
                 _log.info("engine %s: already resident", self.engine_id)
                 return
@@ -432,7 +560,7 @@ class SglangEngine:
 
     def _resume_weights(self) -> None:
         """Before a weight update while released: map the weights' memory again (an
-        update into released memory writes to unmapped addresses). Holds ``_lock``."""
+        update into released memory writes to unmapped addresses). Holds the gate exclusively."""
         if self._weights_released:
             self._call(self.engine.resume_memory_occupation, tags=[_WEIGHTS])
             self._weights_resumed()
@@ -505,7 +633,7 @@ class SglangEngine:
                 ended, call="end_weight_update", engine_id=self.engine_id, version=version
             )
 
-        with self._lock:
+        with self._gate.exclusive():
             self._resume_weights()
             try:
                 self._call(run)
@@ -518,7 +646,7 @@ class SglangEngine:
         return self.weight_version
 
     def confirm_weights(self, *, version: int) -> int:
-        with self._lock:
+        with self._gate.exclusive():
             check_vouched_version(self.engine_id, holds=self.weight_version, version=version)
             self._needs_weights = False
         return self.weight_version
