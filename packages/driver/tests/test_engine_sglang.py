@@ -394,6 +394,32 @@ def test_concurrent_calls_are_in_sglang_together(fake_sglang: None) -> None:
     engine.shutdown()
 
 
+def test_an_sglang_without_engine_loop_runs_on_its_threads_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An sglang ``Engine`` with no ``loop`` attribute (before 0.5) drives the calling
+    thread's current loop: the engine takes that one (made if the thread has none)."""
+    from ppo_driver.rollout import SglangEngine, _sglang
+
+    class NoLoopAttribute(_FakeSglEngine):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.thread_loop = self.loop
+            del self.loop
+            asyncio.set_event_loop(None)  # and the thread has no current loop either
+
+        def shutdown(self) -> None:
+            self.thread_loop.close()
+
+    monkeypatch.setattr(_sglang, "_import_sglang", lambda: SimpleNamespace(Engine=NoLoopAttribute))
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    (out,) = engine.generate([_request(3)])
+    assert out.prompt_index == 3 and [s.token_ids for s in out.samples] == [(7, 2), (7, 2)]
+    loop = engine._loop
+    engine.shutdown()
+    loop.close()
+
+
 def test_a_weight_update_waits_for_the_calls_in_flight_and_holds_new_ones(
     fake_sglang: None,
 ) -> None:

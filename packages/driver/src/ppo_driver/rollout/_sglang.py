@@ -332,11 +332,7 @@ class SglangEngine:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
         path = model_path if model is None else materialize_model(model)
         self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
-        # the loop sglang's engine drives on its thread (sglang 0.5.x keeps it as
-        # ``Engine.loop``; older ones use the thread's current loop)
-        self._loop: asyncio.AbstractEventLoop = self._call(
-            lambda: getattr(self.engine, "loop", None) or asyncio.get_event_loop()
-        )
+        self._loop = self._call(self._engine_loop)
         self._queue: list[_Request] = []  # generate calls not yet handed to sglang
         self._queue_lock = threading.Lock()
         self._serving = False  # the sglang thread runs (or will run) _serve
@@ -362,6 +358,19 @@ class SglangEngine:
         if released and not self._needs_weights:  # see EmbeddedEngine's ``released``
             self.pause_generation()
             self.release_memory()
+
+    def _engine_loop(self) -> asyncio.AbstractEventLoop:
+        """On the sglang thread: the event loop sglang's engine drives (sglang 0.5.x keeps
+        it as ``Engine.loop``; an older one uses the thread's current loop, made here if
+        the thread has none)."""
+        loop: asyncio.AbstractEventLoop | None = getattr(self.engine, "loop", None)
+        if loop is None:
+            try:
+                loop = asyncio.get_event_loop()
+            except RuntimeError:  # no current loop on this thread
+                loop = asyncio.new_event_loop()
+                asyncio.set_event_loop(loop)
+        return loop
 
     def generate(self, requests: Sequence[GroupRequest]) -> list[GroupOutput]:
         """All groups of the call go to sglang as one request, beside those of the other
