@@ -696,18 +696,21 @@ def test_manager_files_groups_by_length_once_no_group_out_can_come_before(
     monkeypatch.setattr(ray, "get", engine.answer)
     monkeypatch.setattr(ray, "wait", lambda refs, **_: (list(refs), []))
     sampler = InOrderSampler(max_lookahead_versions=0, fixed_chunks=True)
-    m = RolloutManager(
-        engines=[engine],
-        dataset=data,
-        sampler=sampler,
-        reward_fn=lambda **_: 0.0,
-        params=PARAMS,
-        prompts_per_step=6,
-        max_in_flight=6,
-        reward_timeout_s=None,
-        file_by_length=True,
-        progress_interval_s=0.0,
-    )
+
+    def manager(**filing: Any) -> RolloutManager:
+        return RolloutManager(
+            engines=[engine],
+            dataset=data,
+            sampler=sampler,
+            reward_fn=lambda **_: 0.0,
+            params=PARAMS,
+            prompts_per_step=6,
+            max_in_flight=6,
+            file_by_length=True,
+            **filing,
+        )
+
+    m = manager(reward_timeout_s=None, progress_interval_s=0.0)
     m._dispatch(0)
     calls = {c.groups[0][0]: ref for ref, c in m._in_flight.items()}
 
@@ -735,17 +738,7 @@ def test_manager_files_groups_by_length_once_no_group_out_can_come_before(
     assert batch["prompt_indices"][:: PARAMS.n].tolist() == [1, 3, 4, 0, 2, 5]
     assert m.idle() and not m._held and not m._unfiled
     with pytest.raises(ValueError, match="two filing orders"):
-        RolloutManager(
-            engines=[engine],
-            dataset=data,
-            sampler=sampler,
-            reward_fn=lambda **_: 0.0,
-            params=PARAMS,
-            prompts_per_step=6,
-            max_in_flight=6,
-            file_in_dispatch_order=True,
-            file_by_length=True,
-        )
+        manager(file_in_dispatch_order=True)
 
 
 @pytest.mark.parametrize(

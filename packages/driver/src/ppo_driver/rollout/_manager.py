@@ -453,9 +453,9 @@ class RolloutManager:
                 order.append(gid)
         elif self.file_by_length:
             horizon = self._length_horizon()
+            length = {g: longest(group) for g, (group, _, _) in self._held.items()}
             order = sorted(
-                (g for g, (group, _, _) in self._held.items() if longest(group) <= horizon),
-                key=lambda g: (longest(self._held[g][0]), g),
+                (g for g in length if length[g] <= horizon), key=lambda g: (length[g], g)
             )
             for gid in order:
                 del self._unfiled[gid]
@@ -536,13 +536,16 @@ class RolloutManager:
     # -- training side ------------------------------------------------------------------------
     def claim(self, group_ids: Sequence[int | str]) -> dict[str, torch.Tensor]:
         """Claim the groups the sampler selected in the replay buffer and build their
-        batch (see :func:`build_batch`), rows in prompt-index order: the order groups
-        arrived in depends on timing, and a batch's row order is its summation order
-        (float32 addition is not associative), so a same-seed rerun must not depend on
-        it."""
-        ids = sorted(int(g) for g in group_ids)
-        if self.file_by_length:  # the filing order, which the fixed blocks follow
-            ids.sort(key=lambda g: (longest(self.buffer.get(g)), g))
+        batch (see :func:`build_batch`), rows in prompt-index order, or with
+        ``file_by_length`` in the filing order (longest response, then prompt index),
+        which the fixed blocks follow: the order groups arrived in depends on timing,
+        and a batch's row order is its summation order (float32 addition is not
+        associative), so a same-seed rerun must not depend on it."""
+        by_length = self.file_by_length
+        ids = sorted(
+            (int(g) for g in group_ids),
+            key=lambda g: (longest(self.buffer.get(g)) if by_length else 0, g),
+        )
         groups = self.buffer.claim(ids)
         return build_batch(groups, pad_id=self.dataset.tokenizer.pad_id)
 
