@@ -197,7 +197,13 @@ class EmbeddedEngine:
         return [t.output for t in tickets if t.output is not None]
 
     def _generate(self, tickets: Sequence[_Ticket], mine: threading.Condition) -> None:
-        """Wait until ``tickets`` are done, leading a round when nobody decodes."""
+        """Wait until ``tickets`` are done, starting the next round when nobody decodes.
+
+        The round decodes on a thread of its own, not on the call that started it: each
+        call returns as soon as its own groups are done, the starting one included (had
+        it decoded the round itself, its groups would have come back only with the
+        round's last, and with ``async_rl.block_order: length`` a group not back holds
+        every group after it)."""
         while True:
             with self._cv:
                 while not all(t.done for t in tickets) and (
@@ -206,7 +212,7 @@ class EmbeddedEngine:
                     mine.wait()
                 if all(t.done for t in tickets):
                     return
-                # nobody decodes and groups wait: this call runs the next round, once
+                # nobody decodes and groups wait: this call starts the next round, once
                 # the calls sent together have joined it (a quiet gather_s, bounded)
                 self._leading = True
                 latest = time.monotonic() + _GATHER_LIMIT * self.gather_s
@@ -218,20 +224,30 @@ class EmbeddedEngine:
                 self.rounds += 1
                 self._busy += len(round_)
                 self._round, self._drawn = round_, 0
-            try:
-                self._run_round(round_)
-            except BaseException as exc:
+                threading.Thread(
+                    target=self._decode,
+                    args=(round_,),
+                    name=f"{self.engine_id}-round-{self.rounds}",
+                    daemon=True,
+                ).start()
+
+    def _decode(self, round_: Sequence[_Ticket]) -> None:
+        """One round, on its own thread: a failure fails the round's unfinished groups
+        (their calls raise it); at the end the next round may start."""
+        try:
+            self._run_round(round_)
+        except BaseException as exc:
+            for t in round_:
+                if not t.done:
+                    t.error = exc
+        finally:
+            with self._cv:
                 for t in round_:
-                    if not t.done:
-                        t.error = exc
-            finally:
-                with self._cv:
-                    for t in round_:
-                        t.done = True
-                    self._round, self._drawn = (), 0
-                    self._leading = False
-                    self._busy -= len(round_)
-                    self._wake_all()
+                    t.done = True
+                self._round, self._drawn = (), 0
+                self._leading = False
+                self._busy -= len(round_)
+                self._wake_all()
 
     def _wake_all(self) -> None:
         """A change every waiter may act on (a round ended, generation resumed); under
