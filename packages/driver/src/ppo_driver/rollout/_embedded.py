@@ -131,11 +131,11 @@ class EmbeddedEngine:
         self.rounds = 0
         self.gather_s = float(gather_s)
         self._lock = threading.Lock()  # the weights: held by a round, or a refit swap
-        self._mutex = threading.RLock()  # queue, tickets, leader, pause, busy
+        self._mutex = threading.RLock()  # queue, tickets, round, pause, busy
         self._cv = threading.Condition(self._mutex)  # pause_generation waits on it
         self._waiters: set[threading.Condition] = set()  # one per generate() call waiting
         self._queue: list[_Ticket] = []
-        self._leading = False
+        self._leading = False  # a round gathers or decodes: no other may start
         self._last_arrival = 0.0  # when the latest generate() call queued its groups
         self._busy = 0
         self._unpaused = threading.Event()
