@@ -34,7 +34,16 @@ Profiles (``--profile``):
 Any further overrides apply to every project run (and the minimal loop's settings).
 The load average is printed with every run: wall times on a loaded machine are inflated.
 
-    uv run --frozen python bench/bench_learning.py [--profile task] [--seeds 0 1 2 3 4] [overrides ...]
+A busy machine (``--load``), held for the whole benchmark:
+
+* ``spin``: a busy loop on one core (``python -c "while True: pass"``);
+* ``train``: another ``ppo-driver train`` beside the runs (the built-in task with
+  ``policy.lr=1e-9``, so that the policy, its response lengths and so its load stay the
+  same all along; a learning job is heaviest in its first minutes and would weigh most
+  on whichever run comes first). Its steps per second during each run are printed with
+  the run (``beside``): the same value for two runs means they had the same machine.
+
+    uv run --frozen python bench/bench_learning.py [--profile task] [--seeds 0 1 2 3 4] [--load spin|train] [overrides ...]
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -193,6 +203,59 @@ RATIOS = {
 RUN_OVERRIDES = {"by-arrival": ["async_rl.deterministic_chunks=false"]}
 
 
+# the --load train job's settings: the built-in task, never learning (a stationary load)
+LOAD_TRAIN = ["run.num_steps=1000000", "run.checkpoint_every=0", "policy.lr=1e-9"]
+
+
+class Load:
+    """The ``--load`` process, started before the first run and stopped after the last
+    (``none``: nothing)."""
+
+    def __init__(self, kind: str, directory: Path) -> None:
+        self.kind = kind
+        self.metrics = directory / "load" / "metrics.jsonl"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if kind == "spin":
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        elif kind == "train":
+            cli = [sys.executable, "-m", "ppo_driver.cli", "train", *LOAD_TRAIN]
+            where = [f"run.output_dir={directory}", "run.name=load", "run.progress=false"]
+            self.proc = subprocess.Popen(
+                [*cli, *where], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            self._wait_for_steps(10)  # past its start-up: its steady load from here on
+
+    def steps(self) -> int | None:
+        """Steps the beside job has finished (None: no beside job)."""
+        if self.kind != "train":
+            return None
+        try:
+            return sum(1 for _ in self.metrics.open())
+        except FileNotFoundError:
+            return 0
+
+    def _wait_for_steps(self, n: int) -> None:
+        deadline = time.monotonic() + 600
+        while (self.steps() or 0) < n:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the --load train job exited ({self.proc.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the --load train job made no {n} steps in 600 s")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        # train stops at the end of its step and tears its Ray cluster down on SIGINT
+        self.proc.send_signal(signal.SIGINT if self.kind == "train" else signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2:])
@@ -207,6 +270,13 @@ def main() -> None:
         help="keep the project's run directories here (<run>-s<seed>: metrics.jsonl, "
         "reward.png, ...), e.g. for tools/plot_rewards.py; default: a temporary directory",
     )
+    parser.add_argument(
+        "--load",
+        choices=["none", "spin", "train"],
+        default="none",
+        help="a busy machine for the whole benchmark: a busy loop on one core (spin) or "
+        "another ppo-driver train beside the runs (train)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. run.num_steps=100")
     args = parser.parse_args()
 
@@ -215,33 +285,59 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp)
-        for k, seed in enumerate(args.seeds):
-            row: dict[str, Any] = {"seed": seed}
-            for name in names[k % len(names) :] + names[: k % len(names)]:
-                load = os.getloadavg()[0]
-                run_dir = runs_dir / f"{args.profile}-{name}-s{seed}"
-                run = spawn_run(name, seed, overrides, run_dir)
-                row[name] = {
-                    **summarize(run),
-                    "load_before": load,
-                    "load_after": os.getloadavg()[0],
-                }
-                if "chunks" in run:
-                    row[name]["multi_chunk_share"] = sum(c > 1 for c in run["chunks"]) / len(
-                        run["chunks"]
-                    )
-                s = row[name]
-                print(
-                    f"seed {seed} {name:<10} wall {s['wall_s']:6.1f} s  reward "
-                    f"{s['first10']:.3f} -> {s['last10']:.3f}  0.8 at step "
-                    f"{_fmt(s['steps_to_target'], 'd')} / {_fmt(s['time_to_target'], '.1f')} s "
-                    f"({_fmt(s['time_to_target_call'], '.1f')} s from the call)  first step "
-                    f"{s['first_step_s']:.1f} s ({s['first_step_call_s']:.1f})  "
-                    f"load {load:.2f} -> {s['load_after']:.2f}",
-                    flush=True,
-                )
-            results.append(row)
+        load_job = Load(args.load, Path(tmp))
+        try:
+            _run_all(args, names, overrides, runs_dir, load_job, results)
+        finally:
+            load_job.stop()
+    _report(args, names, overrides, results)
 
+
+def _run_all(
+    args: argparse.Namespace,
+    names: list[str],
+    overrides: list[str],
+    runs_dir: Path,
+    load_job: Load,
+    results: list[dict[str, Any]],
+) -> None:
+    """Every seed's runs, in rotating order; each row appended to ``results``."""
+    for k, seed in enumerate(args.seeds):
+        row: dict[str, Any] = {"seed": seed}
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            load = os.getloadavg()[0]
+            beside = load_job.steps()
+            run_dir = runs_dir / f"{args.profile}-{name}-s{seed}"
+            began = time.monotonic()
+            run = spawn_run(name, seed, overrides, run_dir)
+            elapsed = time.monotonic() - began
+            row[name] = {**summarize(run), "load_before": load, "load_after": os.getloadavg()[0]}
+            after = load_job.steps()
+            if beside is not None and after is not None:  # the beside job's pace meanwhile
+                row[name]["beside_steps_per_s"] = (after - beside) / elapsed
+            if "chunks" in run:
+                row[name]["multi_chunk_share"] = sum(c > 1 for c in run["chunks"]) / len(
+                    run["chunks"]
+                )
+            s = row[name]
+            pace = s.get("beside_steps_per_s")
+            print(
+                f"seed {seed} {name:<10} wall {s['wall_s']:6.1f} s  reward "
+                f"{s['first10']:.3f} -> {s['last10']:.3f}  0.8 at step "
+                f"{_fmt(s['steps_to_target'], 'd')} / {_fmt(s['time_to_target'], '.1f')} s "
+                f"({_fmt(s['time_to_target_call'], '.1f')} s from the call)  first step "
+                f"{s['first_step_s']:.1f} s ({s['first_step_call_s']:.1f})  "
+                f"load {load:.2f} -> {s['load_after']:.2f}"
+                + ("" if pace is None else f"  beside {pace:.2f} steps/s"),
+                flush=True,
+            )
+        results.append(row)
+
+
+def _report(
+    args: argparse.Namespace, names: list[str], overrides: list[str], results: list[dict[str, Any]]
+) -> None:
+    """The table, the ratios per seed and their means."""
     cfg = load_run_config("default", args.seeds[0], overrides)
     print()
     print(
