@@ -223,7 +223,11 @@ class Load:
             self.proc = subprocess.Popen(
                 [*cli, *where], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
-            self._wait_for_steps(10)  # past its start-up: its steady load from here on
+            try:
+                self._wait_for_steps(10)  # past its start-up: its steady load from here on
+            except BaseException:
+                self.stop()
+                raise
 
     def steps(self) -> int | None:
         """Steps the beside job has finished (None: no beside job)."""
