@@ -286,12 +286,11 @@ def main() -> None:
 
     overrides = [*PROFILES[args.profile], *args.overrides]
     names = RUNS[args.profile]
-    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp)
         load_job = Load(args.load, Path(tmp))
         try:
-            _run_all(args, names, overrides, runs_dir, load_job, results)
+            results = _run_all(args, names, overrides, runs_dir, load_job)
         finally:
             load_job.stop()
     _report(args, names, overrides, results)
@@ -303,9 +302,9 @@ def _run_all(
     overrides: list[str],
     runs_dir: Path,
     load_job: Load,
-    results: list[dict[str, Any]],
-) -> None:
-    """Every seed's runs, in rotating order; each row appended to ``results``."""
+) -> list[dict[str, Any]]:
+    """Every seed's runs, in rotating order: one row per seed."""
+    results: list[dict[str, Any]] = []
     for k, seed in enumerate(args.seeds):
         row: dict[str, Any] = {"seed": seed}
         for name in names[k % len(names) :] + names[: k % len(names)]:
@@ -336,6 +335,7 @@ def _run_all(
                 flush=True,
             )
         results.append(row)
+    return results
 
 
 def _report(
