@@ -33,6 +33,9 @@ Profiles (``--profile``):
 
 Any further overrides apply to every project run (and the minimal loop's settings).
 The load average is printed with every run: wall times on a loaded machine are inflated.
+Before the first measured run, one short project run (``--warmup-steps``, 3; 0: none) is
+left out of the comparison: the first run on a machine that has been idle reads the
+libraries from disk, and whichever config the rotation puts first would pay for it.
 
 A busy machine (``--load``), held for the whole benchmark:
 
@@ -281,6 +284,12 @@ def main() -> None:
         help="a busy machine for the whole benchmark: a busy loop on one core (spin) or "
         "another ppo-driver train beside the runs (train)",
     )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=3,
+        help="steps of one unmeasured project run before the first measured one (0: none)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. run.num_steps=100")
     args = parser.parse_args()
 
@@ -304,6 +313,20 @@ def _run_all(
     load_job: Load,
 ) -> list[dict[str, Any]]:
     """Every seed's runs, in rotating order: one row per seed."""
+    if args.warmup_steps > 0:
+        began = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            spawn_run(
+                "default",
+                args.seeds[0],
+                [*overrides, f"run.num_steps={args.warmup_steps}"],
+                Path(tmp),
+            )
+        print(
+            f"warm-up run ({args.warmup_steps} steps, not measured): "
+            f"{time.monotonic() - began:.1f} s",
+            flush=True,
+        )
     results: list[dict[str, Any]] = []
     for k, seed in enumerate(args.seeds):
         row: dict[str, Any] = {"seed": seed}
