@@ -83,21 +83,26 @@ class World:
     # (event, models resident, engines paused) at each trainer call and each group
     # generated
     shared: list[tuple[str, frozenset[str], bool]] = field(default_factory=list)
+    # (len(log) when the pump waited for a call's result, the call's position in the log)
+    awaited: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _Done:
     """A call whose work was done at submit; it reports itself running for ``runs``
     checks of :meth:`done` (the world's ``critic_train_checks``, for the critic's training)."""
 
-    def __init__(self, value: Any, label: str, runs: int = 0) -> None:
-        self.value, self.label, self.runs = value, label, runs
+    def __init__(self, value: Any, label: str, runs: int = 0, world: World | None = None) -> None:
+        self.value, self.label, self.runs, self.world = value, label, runs, world
         self.refs = (label,)
+        self.index = len(world.log) - 1 if world is not None else -1  # its own log entry
 
     def done(self) -> bool:
         self.runs -= 1
         return self.runs < 0
 
     def result(self) -> GroupResult[Any]:
+        if self.world is not None:
+            self.world.awaited.append((len(self.world.log), self.index))
         return GroupResult(values=[self.value], timeline=[(self.label, 0.0, 0.0)])
 
 
@@ -197,7 +202,7 @@ class _Group:
             )
             value = {"loss/value": 0.0}
         runs = self.world.critic_train_checks if method == "train" else 0
-        return _Done(value, f"{self.role}.{method}", runs)
+        return _Done(value, f"{self.role}.{method}", runs, self.world)
 
     def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> GroupResult[Any]:
         return self.submit(NOW, method, *args, **kwargs).result()
@@ -495,6 +500,14 @@ def test_policy_epochs_then_refit_then_critic(mode: list[str]) -> None:
         else:
             assert work == ["compute_logprobs"] + ["train_chunk", "finish_step"] * 3
         last_update = max(i for i, c in actor if c.what in ("finish_step", "train_epochs"))
+        # the update's calls are started together, the actor running them in order: the
+        # pump waits for the last chunk's training (full batch: the first epoch's) only
+        # once every update call of the step is submitted (no round trip between them)
+        last_train = max(i for i, c in actor if c.what == "train_chunk")
+        first_train = min(i for i, c in actor if c.what == "train_chunk")
+        waited_for = last_train if mode is STREAMING else first_train
+        (when,) = [at for at, index in world.awaited if index == waited_for]
+        assert when > last_update, (when, last_update)
         (refit,) = _index(world.log, "generation", "refit", step=step)
         assert last_update < refit < world.seen[step].log_index
 

@@ -159,8 +159,10 @@ def test_streaming_chunks_counters_and_outputs(
         "actor.wake_up(parameters+buffers+gradients)",
         "actor.sleep(keep_grads)",
     }, in_chunks
-    assert in_chunks.count("actor.wake_up(parameters+buffers+gradients)") == sum(closing.values())
     names = [e["name"] for e in switches]
+    # once per chunk (the last chunk's runs on after its span: the driver starts the
+    # update behind it without waiting for it)
+    assert names.count("actor.wake_up(parameters+buffers+gradients)") == sum(closing.values())
     assert names.count("actor.wake_up(optimizer)") == 3
     # the switches are queued, not awaited by the driver, yet run in order: each wake-up
     # starts after the other model's latest sleep ended (worker clocks placed on the

@@ -235,6 +235,8 @@ class _StepState:
     chunk_groups: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # the current chunk's fixed blocks' rows
     chunk_metrics: list[dict[str, float]] = field(default_factory=list)
+    # the last chunk's training call, awaited once the update behind it is started
+    last_trained: Started[Metrics] | None = None
     waited: float = 0.0
     refit_s: float = 0.0
     raw_advantages: list[torch.Tensor] = field(default_factory=list)  # valid ones, per chunk
@@ -368,6 +370,8 @@ class TrainPump:
         update: dict[str, float] = {}
         if s.policy:  # ONE optimizer + scheduler update (full-batch: one per policy epoch)
             if started is not None:  # in order: a refusal of the first update surfaces first
+                if s.last_trained is not None:  # the last chunk's own refusal comes first
+                    s.chunk_metrics.append(s.last_trained.result().summed())
                 for call in started:
                     update = call.result().reduced()
             else:
@@ -420,7 +424,9 @@ class TrainPump:
         While streaming, no switch waits on the driver: the critic's sleep is queued
         behind its forward (it runs while the driver computes GAE, and the actor's call
         starts when it ends), and after a chunk that is not the last the actor stays
-        resident; its sleep and the critic's wake-up are queued for the wait."""
+        resident; its sleep and the critic's wake-up are queued for the wait. The last
+        chunk's call is awaited only after the update behind it is started
+        (``_StepState.last_trained``)."""
         ppo = self.cfg.ppo
         rows = Rows(chunk.model_inputs(), blocks=s.blocks)
         backward = s.policy and not self._logprob_pass
@@ -452,7 +458,10 @@ class TrainPump:
                 loss_denominator=s.denominator,
                 keep=ppo.ppo_epochs > 1,  # the rank keeps the chunk for epochs 2..K
             )
-            s.chunk_metrics.append(trained.result().summed())
+            if more:
+                s.chunk_metrics.append(trained.result().summed())
+            else:  # the update queues behind it on the actor ranks without waiting here
+                s.last_trained = trained
         s.chunks.append(chunk)
 
     def _normalize(
@@ -509,25 +518,32 @@ class TrainPump:
         forward + backward and one update per epoch over the whole batch, its rows in the
         order the step's one chunk was claimed (``RolloutManager.claim``: by prompt
         index, or by longest response with ``block_order: length``), so that its
-        micro-batches are those of the streamed blocks."""
+        micro-batches are those of the streamed blocks. Every epoch's calls are started
+        before the first is awaited (the actor runs them in order), as the streamed
+        update's are: no round trip through the driver between two epochs."""
         (chunk,) = s.chunks
         claimed = torch.argsort(torch.argsort(chunk.prompt_indices, stable=True))
         rows = Rows({k: v[claimed] for k, v in batch.model_inputs().items()})
         old = self.pair.logprobs(rows, step=s.step, then=(Phase.POLICY_BACKWARD,))
-        update: dict[str, float] = {}
+        advantages = batch.need("advantages")[claimed]
+        calls = []  # every epoch's calls started at once: the actor runs them in order
         for epoch in range(self.cfg.ppo.ppo_epochs):
-            out = self.pair.train_chunk(
+            trained = self.pair.train_chunk(
                 self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step),
                 rows,
-                advantages=batch.need("advantages")[claimed],
+                advantages=advantages,
                 old_logprobs=old,
                 # the engine-vs-trainer gap, measured once
                 engine_logprobs=batch.engine_logprobs[claimed] if epoch == 0 else None,
                 loss_denominator=s.denominator,
-            ).result()
+            )
+            calls.append((trained, self.pair.finish_step(step=s.step, loss_denominator=final)))
+        update: dict[str, float] = {}
+        for epoch, (trained, finished) in enumerate(calls):  # in order: the first refusal
+            out = trained.result()
             if epoch == 0:
                 s.chunk_metrics.append(out.summed())
-            update = self.pair.finish_step(step=s.step, loss_denominator=final).result().reduced()
+            update = finished.result().reduced()
         return update
 
     def _refit_trained(self, s: _StepState) -> None:
