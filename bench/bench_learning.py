@@ -36,7 +36,6 @@ The load average is printed with every run: wall times on a loaded machine are i
 Before the first measured run, one short project run (``--warmup-steps``, 3; 0: none) is
 left out of the comparison: the first run on a machine that has been idle reads the
 libraries from disk, and whichever config the rotation puts first would pay for it.
-Each run starts once the Ray processes of the run before it have exited.
 
 A busy machine (``--load``), held for the whole benchmark:
 
@@ -145,36 +144,15 @@ def child(argv: list[str]) -> None:
 def spawn_run(name: str, seed: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """One run in a fresh process; ``times``: seconds from the process's start to each
     step's end, ``times_call``: from the call that starts the run."""
-    before = ray_processes()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         argv = [sys.executable, __file__, "--child", name, str(seed), str(out), str(run_dir)]
         started = time.time()
         subprocess.run([*argv, *overrides], check=True)
         run = json.loads(out.read_text())
-    # the run's Ray processes outlive it for a moment: the next run's start-up would
-    # share the cores with their exit
-    leftover, deadline = ray_processes() - before, time.monotonic() + 30
-    while (leftover := leftover & ray_processes()) and time.monotonic() < deadline:
-        time.sleep(0.2)
     run["times"] = [t - started for t in run["stamps"]]
     run["times_call"] = [t - run["called"] for t in run["stamps"]]
     return run
-
-
-def ray_processes() -> set[int]:
-    """Running processes of Ray's (its daemons, helpers and workers), from /proc (none
-    where there is no /proc)."""
-    marks = (b"/ray/core/src/ray/", b"/ray/_private/", b"/ray/dashboard/", b"/ray/autoscaler/")
-    found = set()
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (entry / "cmdline").read_bytes()  # empty for a zombie
-        except OSError:
-            continue
-        if cmd.startswith(b"ray::") or any(m in cmd for m in marks):
-            found.add(int(entry.name))
-    return found
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
