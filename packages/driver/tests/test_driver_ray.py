@@ -163,6 +163,9 @@ def test_streaming_chunks_counters_and_outputs(
     # once per chunk (the last chunk's runs on after its span: the driver starts the
     # update behind it without waiting for it)
     assert names.count("actor.wake_up(parameters+buffers+gradients)") == sum(closing.values())
+    # every other chunk's wake-up still runs inside its chunk's span
+    wakes_in_chunks = in_chunks.count("actor.wake_up(parameters+buffers+gradients)")
+    assert wakes_in_chunks >= sum(closing.values()) - len(closing), (wakes_in_chunks, closing)
     assert names.count("actor.wake_up(optimizer)") == 3
     # the switches are queued, not awaited by the driver, yet run in order: each wake-up
     # starts after the other model's latest sleep ended (worker clocks placed on the
