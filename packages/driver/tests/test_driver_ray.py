@@ -309,6 +309,8 @@ def test_full_batch_epochs_critic_warmup_kl_loss_and_colocated_generation(tmp_pa
     # several policy epochs: one log-prob forward for the old policy, then one
     # forward (+ backward) per epoch
     assert trained["train/actor_forwards_per_sample"] == 1.0 + 2
+    # the reference log-probs are computed once, in epoch 1, and kept for epoch 2
+    assert trained["train/reference_forwards_per_sample"] == 1.0
     assert [r["train/chunks"] for r in result.metrics] == [1, 1]
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     refit = [e for e in trace if e.get("cat") == "refit"]

@@ -13,6 +13,8 @@ document's; the worker calls are in docs/interfaces.md):
     after the last chunk:
         actor : one optimizer step; epochs 2..K over the kept chunks (one update each)
                 -> refit (generation gets the new policy)
+                (full batch, K > 1: first the old log-probs from a separate forward,
+                then epoch 1 over the one chunk, which the ranks keep alike)
         critic: critic_ppo_epochs over the assembled step batch
         driver: release the step's rows, count the step
 
@@ -237,6 +239,7 @@ class _StepState:
     chunk_metrics: list[dict[str, float]] = field(default_factory=list)
     # the last chunk's training call, awaited once the update behind it is started
     last_trained: Started[Metrics] | None = None
+    rows: Rows | None = None  # the last chunk's model inputs, shipped once (full batch)
     waited: float = 0.0
     refit_s: float = 0.0
     raw_advantages: list[torch.Tensor] = field(default_factory=list)  # valid ones, per chunk
@@ -361,22 +364,23 @@ class TrainPump:
         self.pair.settle()
         log.info("train_pump: step %d closing on %d chunk(s)", step, len(s.chunks))
         self._maybe_fail("after_chunks", step)
-        # streaming: the update needs nothing but the chunks the actor ranks hold, so it
-        # starts before the driver assembles and checks the step batch
-        started = self._start_streamed_update(s) if s.policy and not self._logprob_pass else None
+        # the update needs nothing but the chunks the actor ranks hold, so it starts
+        # before the driver assembles and checks the step batch
+        started: list[Started[Metrics]] = []
+        if s.policy:
+            if self._logprob_pass:  # full batch: the separate log-prob forward, epoch 1
+                self._full_batch_first_epoch(s)
+            started = self._start_update(s)
         batch = StepBatch.assemble(s.chunks, pad_id=self.pad_id, group_sizes=s.chunk_groups)
         self._check_batch(batch)
 
         update: dict[str, float] = {}
-        if s.policy:  # ONE optimizer + scheduler update (full-batch: one per policy epoch)
-            if started is not None:  # in order: a refusal of the first update surfaces first
-                if s.last_trained is not None:  # the last chunk's own refusal comes first
-                    s.chunk_metrics.append(s.last_trained.result().summed())
-                for call in started:
-                    update = call.result().reduced()
-            else:
-                final = None if s.final else batch.valid_tokens()
-                update = self._full_batch_epochs(s, batch, final=final)
+        if s.policy:  # one optimizer + scheduler update per policy epoch
+            # in order: the last chunk's own refusal first, then each update's
+            if s.last_trained is not None:
+                s.chunk_metrics.append(s.last_trained.result().summed())
+            for call in started:
+                update = call.result().reduced()
             self._maybe_fail("after_policy_update", step)
             if not colocated:
                 self._refit_trained(s)  # early refit: before critic training
@@ -463,6 +467,7 @@ class TrainPump:
             else:  # the update queues behind it on the actor ranks without waiting here
                 s.last_trained = trained
         s.chunks.append(chunk)
+        s.rows = rows
 
     def _normalize(
         self, s: _StepState, advantages: torch.Tensor, mask: torch.Tensor
@@ -491,11 +496,12 @@ class TrainPump:
         own forward gives them, kept on the actor ranks for epochs 2..K."""
         return not self.cfg.streaming and self.cfg.ppo.ppo_epochs > 1
 
-    def _start_streamed_update(self, s: _StepState) -> list[Started[Metrics]]:
-        """Streaming: the one optimizer step after the chunks, then epochs 2..K over the
-        chunks the actor ranks kept, each with its step; started, not awaited (the last
-        call's result is the last update's metrics). A token-mean loss whose chunks got a
-        provisional denominator gets the step's true valid-token count here."""
+    def _start_update(self, s: _StepState) -> list[Started[Metrics]]:
+        """After epoch 1's chunks: its optimizer step, then epochs 2..K over the chunks
+        the actor ranks kept, each with its step; started, not awaited (the actor runs
+        them in order; the last call's result is the last update's metrics). A
+        token-mean loss whose chunks got a provisional denominator gets the step's true
+        valid-token count here."""
         final = None
         if not s.final:
             final = float(sum(float(c.loss_mask.sum().item()) for c in s.chunks))
@@ -511,40 +517,26 @@ class TrainPump:
             )
         return calls
 
-    def _full_batch_epochs(
-        self, s: _StepState, batch: StepBatch, *, final: float | None
-    ) -> dict[str, float]:
-        """Full batch, K > 1 epochs: the old log-probs from a separate forward, then one
-        forward + backward and one update per epoch over the whole batch, its rows in the
-        order the step's one chunk was claimed (``RolloutManager.claim``: by prompt
-        index, or by longest response with ``block_order: length``), so that its
-        micro-batches are those of the streamed blocks. Every epoch's calls are started
-        before the first is awaited (the actor runs them in order), as the streamed
-        update's are: no round trip through the driver between two epochs."""
+    def _full_batch_first_epoch(self, s: _StepState) -> None:
+        """Full batch, K > 1 epochs: the old log-probs from a separate forward over the
+        step's one chunk (the rows the value forward read, in the order they were
+        claimed: by prompt index, or by longest response with ``block_order: length``,
+        so that its micro-batches are those of the streamed blocks), then epoch 1's
+        forward + backward, the rank keeping the chunk for epochs 2..K as a streamed step
+        does: its tokens, advantages and old log-probs go to the actor once a step."""
         (chunk,) = s.chunks
-        claimed = torch.argsort(torch.argsort(chunk.prompt_indices, stable=True))
-        rows = Rows({k: v[claimed] for k, v in batch.model_inputs().items()})
+        rows = s.rows
+        assert rows is not None  # _train_chunk keeps the last chunk's rows
         old = self.pair.logprobs(rows, step=s.step, then=(Phase.POLICY_BACKWARD,))
-        advantages = batch.need("advantages")[claimed]
-        calls = []  # every epoch's calls started at once: the actor runs them in order
-        for epoch in range(self.cfg.ppo.ppo_epochs):
-            trained = self.pair.train_chunk(
-                self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step),
-                rows,
-                advantages=advantages,
-                old_logprobs=old,
-                # the engine-vs-trainer gap, measured once
-                engine_logprobs=batch.engine_logprobs[claimed] if epoch == 0 else None,
-                loss_denominator=s.denominator,
-            )
-            calls.append((trained, self.pair.finish_step(step=s.step, loss_denominator=final)))
-        update: dict[str, float] = {}
-        for epoch, (trained, finished) in enumerate(calls):  # in order: the first refusal
-            out = trained.result()
-            if epoch == 0:
-                s.chunk_metrics.append(out.summed())
-            update = finished.result().reduced()
-        return update
+        s.last_trained = self.pair.train_chunk(
+            self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step),
+            rows,
+            advantages=chunk.need("advantages"),
+            old_logprobs=old,
+            engine_logprobs=chunk.engine_logprobs,  # the engine-vs-trainer gap, measured once
+            loss_denominator=s.denominator,
+            keep=True,
+        )
 
     def _refit_trained(self, s: _StepState) -> None:
         """The engines get the policy this step trained: the next weight version."""
@@ -773,6 +765,10 @@ class TrainPump:
             self._counted = counts
             forwards = done.get("policy_forward", 0.0) + done.get("policy_forward_backward", 0.0)
             out["train/actor_forwards_per_sample"] = forwards / batch.size
+            if self.cfg.ppo.kl_loss_coef > 0:  # the reference model's (once a step)
+                out["train/reference_forwards_per_sample"] = (
+                    done.get("reference_forward", 0.0) / batch.size
+                )
         if s.chunk_metrics:  # per chunk, as the actor computed them
             for key in _CHUNK_KEYS:
                 out[f"chunk/{key.split('/')[-1]}"] = [m.get(key, 0.0) for m in s.chunk_metrics]
