@@ -105,12 +105,26 @@ def main() -> None:
 
                 defaults, _ = load_config(None, [])
                 lrs = [f"{r}.lr={defaults.model(r).lr}" for r in ("policy", "critic")]
-                bench_driver._run("full-batch", [*overrides, *lrs], warm_steps, root / "warm")
+                bench_driver._run(
+                    "full-batch",
+                    [*overrides, *lrs],
+                    warm_steps,
+                    root / "warm",
+                    streamed_micro_batches=False,
+                )
                 warm = root / "warm" / "full-batch"
             for _label, low in order:
                 mode = "full-batch" if low is None else f"min{low}"
                 extra = [] if low is None else [f"async_rl.min_groups_for_streaming_train={low}"]
-                bench_driver._run(mode, [*overrides, *extra], args.steps, root, warm=warm)
+                # the simulator's full batch: one micro-batch padded to the step's longest
+                bench_driver._run(
+                    mode,
+                    [*overrides, *extra],
+                    args.steps,
+                    root,
+                    warm=warm,
+                    streamed_micro_batches=False,
+                )
                 load.append(os.getloadavg()[0])
         results, measured_all = _fit_and_predict(Path(tmp), profiles, args.steps)
     shutdown_local_ray()
