@@ -3,10 +3,11 @@
 The built-in task (response lengths vary per sample: a real long tail, no sleeps), one
 Ray cluster for both modes. The full-batch runs use the streaming runs' micro-batches
 (one rank's share of a block, as ``configs/full_batch.yaml`` does for the task), so the
-two modes compute the same thing and differ by the schedule only. Reports per mode: chunks per step, mean step time, and the
-fraction of each step the training devices sat idle (the time the pump waited for the
-sampler to release a chunk, over the step time), then the mean seconds per phase. The
-first step of each mode is a warm-up and is not counted.
+two modes compute the same thing and differ by the schedule only. Reports per mode:
+chunks per step, mean step time, and the fraction of each step the training devices sat
+idle (the time the pump waited for the sampler to release a chunk, over the step time),
+then the mean seconds per phase. The first step of each mode is a warm-up and is not
+counted.
 
 Profiles (``--profile``), each a list of overrides on the ``ppo-driver train`` defaults:
 
@@ -87,8 +88,9 @@ def _run(
     ``streamed_micro_batches=False``: the full batch keeps a null micro-batch size (one
     micro-batch of the whole batch, padded to its longest response)."""
     from ppo_driver.checkpoint import checkpoint_step, find_latest
-    from ppo_driver.config import load_config
+    from ppo_driver.config import load_config, trainer_configs
     from ppo_driver.run import train
+    from ppo_driver.workload import load_workload
 
     done = 0
     if warm is not None:
@@ -100,14 +102,13 @@ def _run(
         None, [*overrides, f"run.num_steps={done + steps}", "run.checkpoint_every=0"]
     )
     if mode == "full-batch" and streamed_micro_batches:
-        # the streaming run's micro-batches, as configs/full_batch.yaml sets them for the
-        # task: a null size while streaming is one rank's share of a block (the minimum),
-        # in full batch it would be the whole batch, padded to its longest response
-        block = cfg.async_rl.min_groups_for_streaming_train * cfg.ppo.num_generations_per_prompt
-        for role in ("policy", "critic"):
-            model = cfg.model(role)
-            if model.train_micro_batch_size is None:
-                model.train_micro_batch_size = block // cfg.dp_size(role)
+        # the streaming run's micro-batches as the driver resolves them (a null size while
+        # streaming is one rank's share of a block; in full batch it would be the whole
+        # batch, padded to its longest response), as configs/full_batch.yaml sets them
+        vocab_size = load_workload(cfg).tokenizer.vocab_size
+        actor, critic = trainer_configs(cfg, vocab_size=vocab_size)
+        cfg.policy.train_micro_batch_size = actor.micro_batch_size
+        cfg.critic.train_micro_batch_size = critic.micro_batch_size
     if mode == "full-batch":
         cfg.async_rl.min_groups_for_streaming_train = cfg.ppo.num_prompts_per_step
     cfg.run.progress = False
