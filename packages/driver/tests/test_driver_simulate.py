@@ -6,7 +6,10 @@ step time and answers what-if options; bad input is refused naming it.
 wrote (the built-in task: 64 prompts x 4 samples, minimum 16), copied unchanged.
 ``data/sim_run_full``: the same files of a full-batch run of ``bench/bench_sim.py``'s
 ``balanced`` profile (larger models, 4 policy epochs: a log-prob pass, then 4 epochs
-over the batch), 5 steps. ``data/sim_run_gb``: steps 40-45 of a default run of
+over the batch), 5 steps, recorded before ppo-driver 0.8.1 (each epoch a
+``train_chunk`` + ``finish_step`` pair); ``data/sim_run_full_kept``: the same profile
+and steps recorded by ppo-driver 0.8.1 (epoch 1's ``train_chunk`` keeps the batch,
+``finish_step``, then one ``train_epochs`` for epochs 2..4). ``data/sim_run_gb``: steps 40-45 of a default run of
 ``bench/bench_learning.py --profile generation-bound`` (0.1 s per decode step; it
 cut its chunks as groups arrived, which its ``config.yaml`` now says explicitly:
 ``deterministic_chunks: false``), the trace's events of those steps only.
@@ -32,6 +35,8 @@ from ppo_sampler import simulate
 
 RUN = Path(__file__).resolve().parent / "data" / "sim_run"
 FULL_RUN = RUN.parent / "sim_run_full"
+KEPT_RUN = RUN.parent / "sim_run_full_kept"
+FULL_RUNS = pytest.mark.parametrize("run", [FULL_RUN, KEPT_RUN], ids=["pairs", "kept"])
 GB_RUN = RUN.parent / "sim_run_gb"
 
 
@@ -75,11 +80,12 @@ def test_fit_sends_groups_as_the_run_did(
     assert fit_run(tmp_path).workload.groups_per_call == per_call
 
 
-def test_fit_of_a_full_batch_run_reproduces_it() -> None:
+@FULL_RUNS
+def test_fit_of_a_full_batch_run_reproduces_it(run: Path) -> None:
     """Full batch with K epochs times them outside the chunk (the log-prob pass, then
     K forward + backward passes and K optimizer steps): all of it is modelled, none
-    is left as per-step overhead."""
-    fit = fit_run(FULL_RUN)
+    is left as per-step overhead, whichever pump recorded the run."""
+    fit = fit_run(run)
     assert fit.workload.min_groups == fit.workload.batch == 64
     assert fit.costs.policy_epochs == 4 and fit.costs.actor_forward_per_sample > 0
     predicted = simulate(fit.workload, fit.generation, fit.costs, fit.lengths).step_s
@@ -263,6 +269,33 @@ def test_full_batch_fit_takes_epoch_1_and_the_repeats_from_the_trace() -> None:
     assert fit.costs.actor_epoch_per_sample == pytest.approx(sum(repeats) / len(repeats) / samples)
 
 
+def test_kept_full_batch_fit_takes_each_epoch_from_its_call() -> None:
+    """A full batch recorded by ppo-driver 0.8.1 makes streaming's calls: epoch 1 is
+    its one ``train_chunk`` (``perf/backward_s``), ``finish_step`` its optimizer step and
+    ``train_epochs`` epochs 2..K with theirs (together ``perf/update_s``); the log-prob
+    pass is ``perf/logprob_s``. (Fitted as K pairs, epoch 1 came out K times too cheap.)"""
+    fit = fit_run(KEPT_RUN)
+    rows = _rows(KEPT_RUN)[1:]
+    steps = {r["step"] for r in rows}
+    calls: dict[str, float] = {}
+    for e in json.loads((KEPT_RUN / "trace.json").read_text())["traceEvents"]:
+        if e.get("cat") == "update" and e["args"].get("step") in steps:
+            calls[e["name"]] = calls.get(e["name"], 0.0) + e["dur"] / 1e6 / len(steps)
+    samples = fit.workload.batch * fit.workload.samples_per_group
+    epochs = fit.costs.policy_epochs
+
+    def per_sample(key: str) -> float:
+        return sum(float(r[key]) for r in rows) / len(rows) / samples
+
+    assert fit.costs.actor_train_per_sample == pytest.approx(per_sample("perf/backward_s"))
+    assert fit.costs.actor_forward_per_sample == pytest.approx(per_sample("perf/logprob_s"))
+    assert fit.costs.optimizer_s == pytest.approx(calls["finish_step"])
+    later = (calls["train_epochs"] / (epochs - 1) - calls["finish_step"]) / samples
+    assert fit.costs.actor_epoch_per_sample == pytest.approx(later)
+    # epochs 2..K repeat epoch 1's pass over the same rows: within a factor of 2 of it
+    assert 0.5 < later / fit.costs.actor_train_per_sample < 2.0
+
+
 def test_actor_passes_need_two_calls_in_a_step_and_order_by_time() -> None:
     from ppo_driver.simulate import _actor_passes
 
@@ -277,12 +310,16 @@ def test_actor_passes_need_two_calls_in_a_step_and_order_by_time() -> None:
     assert _actor_passes(later_first, {1}) == (3.0, 1.5)  # step 9 is not fitted on
 
 
-@pytest.mark.parametrize("run", [RUN, FULL_RUN], ids=["streaming", "full-batch"])
-def test_untimed_time_is_charged_per_model_call(run: Path) -> None:
+@pytest.mark.parametrize(
+    ("run", "made"),
+    [(RUN, 6), (FULL_RUN, 12), (KEPT_RUN, 7)],
+    ids=["streaming", "full-batch-pairs", "full-batch-kept"],
+)
+def test_untimed_time_is_charged_per_model_call(run: Path, made: int) -> None:
     """What the workers did not time (the driver's round trips and work between calls) is
-    fitted per call of the run's mode, so a prediction for the other mode pays for the
-    calls that mode makes: a full batch with K = 4 epochs makes 12 a step, streaming in
-    one chunk 6."""
+    fitted per call the run made (counted in its trace: a full batch with K = 4 epochs
+    made 12 a step before ppo-driver 0.8.1, 7 since; streaming in one chunk 6), so a
+    prediction for the other mode pays for the calls that mode makes today."""
     fit = fit_run(run)
     lines = (run / "metrics.jsonl").read_text().splitlines()[1:]
     rows: list[dict[str, float]] = [
@@ -294,11 +331,10 @@ def test_untimed_time_is_charged_per_model_call(run: Path) -> None:
         return sum(r.get(key, 0.0) for r in rows) / len(rows)
 
     untimed = mean("perf/step_s") - sum(mean(f"perf/{p}_s") for p in phases)
-    full = fit.workload.min_groups == fit.workload.batch
-    calls = fit.costs.calls_per_step(mean("train/chunks"), logprob_pass=full)
-    assert fit.costs.call_overhead_s * calls == pytest.approx(untimed)
+    assert mean("train/chunks") == 1.0
+    assert fit.costs.call_overhead_s * made == pytest.approx(untimed)
     assert fit.costs.step_overhead_s == fit.costs.chunk_overhead_s == 0.0
-    assert fit.costs.calls_per_step(1, logprob_pass=True) == 12
+    assert fit.costs.calls_per_step(1, logprob_pass=True) == 7
     assert fit.costs.calls_per_step(1, logprob_pass=False) == 6
 
 

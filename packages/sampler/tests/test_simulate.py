@@ -311,16 +311,17 @@ def test_groups_finishing_at_once_stay_equal_with_call_overhead(lookahead: int) 
     ("epochs", "full_calls", "stream_calls"),
     [
         pytest.param(1, 5, 5, id="one-epoch"),  # value, train_chunk, finish_step, refit, critic
-        pytest.param(2, 8, 6, id="two-epochs"),  # full: log-prob + 2 x (train_chunk + step)
-        pytest.param(4, 12, 6, id="four-epochs"),  # streaming: + train_epochs
+        pytest.param(2, 7, 6, id="two-epochs"),  # streaming: + train_epochs; full: + log-prob
+        pytest.param(4, 7, 6, id="four-epochs"),  # the same calls whatever K > 1
     ],
 )
 def test_call_overhead_is_paid_per_call_of_the_mode(
     epochs: int, full_calls: int, stream_calls: int
 ) -> None:
-    """A full batch with K epochs calls the actor 2K + 1 times after the chunks, streaming
-    twice: the mode's overhead follows its calls (all groups finish at once, so both make
-    one chunk and nothing else differs)."""
+    """A full batch with K > 1 epochs calls the actor four times after the chunks (the
+    log-prob forward, epoch 1's ``train_chunk``, ``finish_step``, ``train_epochs``),
+    streaming twice: the mode's overhead follows its calls (all groups finish at once,
+    so both make one chunk and nothing else differs)."""
     same = MeasuredLengths(lengths=(10,))
     costs = TrainingCosts(call_overhead_s=CALL, policy_epochs=epochs)
     assert costs.calls_per_step(1, logprob_pass=epochs > 1) == full_calls

@@ -19,9 +19,13 @@ step: the phases' seconds, as the trace timed them, and each group's longest res
   the step's samples and its repeat passes, epochs 2..K, critic training per epoch),
   per optimizer step, per refit, per model switch, and per model call: what remains of
   the step when the wait and every phase timed inside the workers are taken out (the
-  driver's round trips, shipping rows, GAE, batch assembly), divided by the calls the
-  pump made (a full batch with K epochs makes 2K + 1 policy calls where streaming makes
-  one or two, so this follows the mode instead of being carried over as a constant).
+  driver's round trips, shipping rows, GAE, batch assembly), divided by the model calls
+  the run made (counted in its trace: a full batch with K > 1 epochs makes four policy
+  calls after the chunks, 2K + 1 before ppo-driver 0.8.1, where streaming makes one or
+  two), so this follows the mode instead of being carried over as a constant. A full
+  batch recorded before 0.8.1 (K ``train_chunk`` + ``finish_step`` pairs a step) is
+  fitted from those pairs; since, its calls are streaming's (epoch 1's ``train_chunk``,
+  ``finish_step``, ``train_epochs``) and are fitted as streaming's are.
 
 The simulator (:func:`ppo_sampler.simulate_minimums`) then replays steps through the
 real sampler with these costs. It projects; it does not measure. Groups travel as the
@@ -199,7 +203,13 @@ def fit_run(run_dir: str | Path, *, skip_steps: int = 1, widths: bool = True) ->
     steps = {int(r["step"]) for r in used}
     calls = _update_calls(trace, steps)
     costs = _fit_costs(
-        used, workload, ppo, calls, _actor_passes(trace, steps), _widths(used) if widths else None
+        used,
+        workload,
+        ppo,
+        calls,
+        _actor_passes(trace, steps),
+        _widths(used) if widths else None,
+        _model_calls(trace, steps),
     )
     return FittedRun(
         workload=workload,
@@ -337,6 +347,22 @@ def _update_calls(events: Sequence[TraceEvent], steps: set[int]) -> dict[str, fl
     return {name: seconds / len(steps) for name, seconds in totals.items()}
 
 
+_CALL_CATEGORIES = frozenset({"value", "logprob", "backward", "update", "refit", "critic"})
+"""The trace categories of the pump's model calls (value forward, log-prob forward,
+``train_chunk``, ``finish_step`` / ``train_epochs``, the refit, critic training)."""
+
+
+def _model_calls(events: Sequence[TraceEvent], steps: set[int]) -> float | None:
+    """Mean model calls per step in the trace (what the untimed time is shared by):
+    the run's own count, whichever pump recorded it; None without a traced call."""
+    counted = sum(
+        1
+        for e in events
+        if e.get("cat") in _CALL_CATEGORIES and e.get("args", {}).get("step") in steps
+    )
+    return counted / len(steps) if counted else None
+
+
 def _actor_passes(events: Sequence[TraceEvent], steps: set[int]) -> tuple[float, float] | None:
     """A full batch's K ``train_chunk`` calls per step: (mean seconds of each step's
     first, mean seconds of the later ones); None without a step that made two.
@@ -398,20 +424,25 @@ def _fit_costs(
     calls: Mapping[str, float],
     passes: tuple[float, float] | None = None,
     widths: _Widths | None = None,
+    calls_made: float | None = None,
 ) -> TrainingCosts:
+    """``calls_made``: the model calls a step of the run made (counted in its trace);
+    None: as the current pump makes them (:meth:`TrainingCosts.calls_per_step`)."""
     samples = workload.batch * workload.samples_per_group
     epochs = as_int(ppo.get("ppo_epochs", 1))
     critic_epochs = as_int(ppo.get("critic_ppo_epochs", 1))
     full = workload.min_groups == workload.batch
     logprob_pass = full and epochs > 1
+    # a full batch recorded before ppo-driver 0.8.1 ran its K epochs as K train_chunk +
+    # finish_step pairs (backward_s and update_s hold all K); since, as streaming does:
+    # epoch 1's train_chunk, one finish_step, train_epochs for epochs 2..K
+    pairs = logprob_pass and "train_epochs" not in calls and bool(calls)
     value = _mean(rows, "perf/value_s") / samples
-    # the streamed pass holds epoch 1; a full batch with K > 1 epochs runs all K there
-    actor = _mean(rows, "perf/backward_s") / (samples * (epochs if logprob_pass else 1))
+    actor = _mean(rows, "perf/backward_s") / (samples * (epochs if pairs else 1))
     update = _mean(rows, "perf/update_s")
     later: float | None = None
-    if logprob_pass:
+    if pairs:
         optimizer = update / epochs
-        forward = _mean(rows, "perf/logprob_s") / samples
         if passes is not None:  # epoch 1 (the first pass) and the repeats, apart
             actor, later = passes[0] / samples, passes[1] / samples
     else:  # one optimizer step (finish_step) + epochs 2..K, each with its step
@@ -419,7 +450,8 @@ def _fit_costs(
         if epochs > 1 and "train_epochs" in calls:
             per_epoch = calls["train_epochs"] / (epochs - 1) - optimizer
             later = max(0.0, per_epoch / samples)
-        forward = value  # no log-prob pass to time: the critic's forward (same shape here)
+    # streaming times no log-prob pass: the critic's forward stands in (same shape here)
+    forward = _mean(rows, "perf/logprob_s") / samples if logprob_pass else value
     chunks = _mean(rows, "train/chunks")
     switches = _mean(rows, "train/switches") or 2 * chunks
     switch_total = _mean(rows, "perf/switch_s")
@@ -457,8 +489,8 @@ def _fit_costs(
         reference_tokens=None if widths is None else widths.reference,
         prompt_tokens=0.0 if widths is None else widths.prompt,
     )
-    call = untimed / costs.calls_per_step(chunks, logprob_pass=logprob_pass)
-    return replace(costs, call_overhead_s=call)
+    made = calls_made or costs.calls_per_step(chunks, logprob_pass=logprob_pass)
+    return replace(costs, call_overhead_s=untimed / made)
 
 
 def what_if(
