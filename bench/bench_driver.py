@@ -221,8 +221,9 @@ def _ratios(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, str
       full-batch step's epoch-1 work (its value forward and first forward/backward:
       epochs 2..K are ``train_epochs``, an update phase) times the share of the samples
       that streaming trains in non-final chunks; dropped = the full batch's separate
-      log-prob forward (K > 1 policy epochs), which streaming does not run at all, so
-      it is saved outright and not by overlap.
+      log-prob forward (K > 1 policy epochs, ppo-driver before 0.8.1: 0 since, when its
+      epoch 1 gives the old log-probs as streaming's does), saved outright, not by
+      overlap.
     """
     stream, full = rows["streaming"], rows["full-batch"]
     phases = ("value", "logprob", "backward", "update", "refit", "critic")

@@ -41,6 +41,10 @@ def _settings(overrides: list[str]) -> list[tuple[str, int | None]]:
     return [(f"min {low}", low), (f"min {batch // 2}", batch // 2), ("full batch", None)]
 
 
+TIE = 0.02
+"""Projections of streaming and full batch closer than this (of the full batch's) are a
+tie: the same schedule, where which run measures faster is the runs' spread (2-10 %)."""
+
 PER_SAMPLE = False
 """``--per-sample``: fit every sample alike, ignoring the recorded chunk widths."""
 
@@ -131,7 +135,9 @@ def main() -> None:
     _report(results, measured_all, load, time.perf_counter() - t0)
 
 
-Result = tuple[str, str, str, float, float, bool | None]
+Result = tuple[
+    str, str, str, float, float, str
+]  # the last: "yes", "NO", "tie" or "-" (faster mode right?)
 
 
 def _fit_and_predict(
@@ -166,13 +172,19 @@ def _fit_and_predict(
         for fit_on, target in itertools.permutations(lows, 2):
             run = runs[fit_on]
             predicted = _predict(run, skip=skip, minimum=lows[target], steps=steps)
-            # which is faster, streaming or full batch: only for a pair that has both
-            faster: bool | None = None
+            # which is faster, streaming or full batch: only for a pair that has both; a
+            # "tie" where the projections are within TIE of each other (the same schedule,
+            # as a training-bound profile's one chunk a step: the runs' spread decides)
+            faster = "-"
             if "full batch" in (fit_on, target):
                 other = fit_on if target == "full batch" else target
                 p_stream = _predict(run, skip=skip, minimum=lows[other], steps=steps)
                 p_full = _predict(run, skip=skip, minimum=batch, steps=steps)
-                faster = (p_stream < p_full) == (measured[other] < measured["full batch"])
+                if abs(p_full - p_stream) < TIE * p_full:
+                    faster = "tie"
+                else:
+                    right = (p_stream < p_full) == (measured[other] < measured["full batch"])
+                    faster = "yes" if right else "NO"
             results.append((profile, fit_on, target, measured[target], predicted, faster))
     return results, measured_all
 
@@ -201,15 +213,19 @@ def _report(
     for profile, fit_on, target, meas, pred, faster in results:
         err = abs(pred - meas) / meas
         errors.setdefault(profile, []).append(err)
-        mark = "-" if faster is None else ("yes" if faster else "NO")
         print(
-            f"{profile:<18} {fit_on:<11} {target:<11} {meas:>9.3f} {pred:>9.3f} {err:>7.1%}  {mark}"
+            f"{profile:<18} {fit_on:<11} {target:<11} {meas:>9.3f} {pred:>9.3f} {err:>7.1%}  "
+            f"{faster}"
         )
     print()
     for profile, errs in errors.items():
         print(f"{profile:<18} mean error {statistics.fmean(errs):.1%}, max {max(errs):.1%}")
-    rights = [f for *_, f in results if f is not None]
-    print(f"faster mode predicted right in {sum(rights)} of {len(rights)} fitted pairs")
+    marks = [f for *_, f in results if f != "-"]
+    print(
+        f"faster mode predicted right in {marks.count('yes')} of "
+        f"{len(marks) - marks.count('tie')} fitted pairs ({marks.count('tie')} projected a tie: "
+        f"within {TIE:.0%})"
+    )
     print(
         f"load average (1 min) during the bench: {min(load):.1f} to {max(load):.1f} "
         f"on {os.cpu_count()} cores; total {seconds:.0f} s"

@@ -61,6 +61,5 @@ def test_default_job_learns_alike_and_reaches_the_target_on_a_quiet_and_a_busy_m
     assert rewards["quiet"] == rewards["busy"]
     for rows in runs.values():
         # the default streams: epoch 1 runs in the chunks, each chunk's forward giving its
-        # old log-probs, so the actor makes 4 passes per sample with 4 epochs (a full
-        # batch makes 5: a separate log-prob forward)
+        # old log-probs, so the actor makes 4 passes per sample with 4 epochs
         assert all(r["train/actor_forwards_per_sample"] == 4 for r in rows)

@@ -481,10 +481,10 @@ def test_critic_is_prepared_before_the_wait_and_stays_across_empty_selections() 
 def test_policy_epochs_then_refit_then_critic(mode: list[str]) -> None:
     """Three policy epochs. Streaming: every chunk's ``train_chunk`` keeps the chunk on
     the actor ranks, one ``finish_step`` (epoch 1's update), then ONE ``train_epochs``
-    call for epochs 2 and 3 over the kept chunks with the step's count; no log-prob
-    forward. Full batch: one log-prob forward, then the same calls over its one chunk
-    (kept, with the log-probs given: the batch goes to the actor once a step). Both: every
-    policy update before the refit, the refit before critic training."""
+    call for epochs 2 and 3 over the kept chunks with the step's count. Full batch: the
+    same calls over its one chunk (epoch 1 is one optimizer step over the batch too, so
+    its forward gives the old log-probs). Neither makes a separate log-prob forward.
+    Both: every policy update before the refit, the refit before critic training."""
     world, _ = _world(*mode, "ppo.ppo_epochs=3")
     assert world.pump is not None
     for step in range(2):
@@ -492,23 +492,18 @@ def test_policy_epochs_then_refit_then_critic(mode: list[str]) -> None:
         actor = [(i, c) for i, c in enumerate(world.log) if c.who == "actor" and c.step == step]
         work = [c.what for _, c in actor if c.what not in ("sleep", "wake_up", "counters")]
         chunks = len(report.chunk_groups)
-        first = (
-            ["train_chunk"] * chunks if mode is STREAMING else ["compute_logprobs", "train_chunk"]
-        )
         assert chunks > 1 if mode is STREAMING else chunks == 1
-        assert work == [*first, "finish_step", "train_epochs"]
+        assert work == [*["train_chunk"] * chunks, "finish_step", "train_epochs"]
         trained = [dict(c.args) for _, c in actor if c.what == "train_chunk"]
         assert all(t["keep"] is True for t in trained)
         (epochs,) = [dict(c.args) for _, c in actor if c.what == "train_epochs"]
         assert epochs == {"epochs": 2, "loss_denominator": 16.0}  # the step's samples
         last_update = max(i for i, c in actor if c.what in ("finish_step", "train_epochs"))
         # the update's calls are started together, the actor running them in order: the
-        # pump waits for the last chunk's training (full batch: the first epoch's) only
-        # once every update call of the step is submitted (no round trip between them)
+        # pump waits for the last chunk's training only once every update call of the
+        # step is submitted (no round trip between them)
         last_train = max(i for i, c in actor if c.what == "train_chunk")
-        first_train = min(i for i, c in actor if c.what == "train_chunk")
-        waited_for = last_train if mode is STREAMING else first_train
-        (when,) = [at for at, index in world.awaited if index == waited_for]
+        (when,) = [at for at, index in world.awaited if index == last_train]
         assert when > last_update, (when, last_update)
         (refit,) = _index(world.log, "generation", "refit", step=step)
         assert last_update < refit < world.seen[step].log_index

@@ -306,9 +306,9 @@ def test_full_batch_epochs_critic_warmup_kl_loss_and_colocated_generation(tmp_pa
     assert warm["weight_version"] == 0 and "actor/step" not in warm  # warm-up: critic only
     assert trained["weight_version"] == 1 and trained["actor/step"] == 2.0  # two epochs
     assert "loss/kl" in trained
-    # several policy epochs: one log-prob forward for the old policy, then one
-    # forward (+ backward) per epoch
-    assert trained["train/actor_forwards_per_sample"] == 1.0 + 2
+    # several policy epochs: one forward (+ backward) per epoch, epoch 1's giving the
+    # old log-probs (no separate log-prob forward, in full batch as while streaming)
+    assert trained["train/actor_forwards_per_sample"] == 2.0
     # the reference log-probs are computed once, in epoch 1, and kept for epoch 2
     assert trained["train/reference_forwards_per_sample"] == 1.0
     assert [r["train/chunks"] for r in result.metrics] == [1, 1]
@@ -377,13 +377,10 @@ def test_streamed_steps_equal_full_batch_with_normalisation(tmp_path: Path, epoc
     assert [m["train/chunk_groups"] for m in metrics["full"]] == [[6], [6]]
     assert [m["train/chunk_groups"] for m in metrics["3+3"]] == [[3, 3], [3, 3]]
     assert [m["train/chunk_groups"] for m in metrics["6x1"]] == [[1] * 6] * 2
-    # forwards per sample: streaming K (epoch 1 fused with its backward, then K - 1);
-    # full batch with K > 1 adds the separate log-prob forward
+    # forwards per sample: K in every mode (epoch 1 fused with its backward, its forward
+    # giving the old log-probs, then K - 1); no separate log-prob forward, full batch too
     for name, rows in metrics.items():
-        fused = not name.startswith("full") or epochs == 1
-        assert [m["train/actor_forwards_per_sample"] for m in rows] == [
-            epochs + (0 if fused else 1)
-        ] * 2, name
+        assert [m["train/actor_forwards_per_sample"] for m in rows] == [epochs] * 2, name
         assert rows[1]["actor/step"] == 2 * epochs
     state = json.loads(
         (tmp_path / "full" / "checkpoints" / "step_000002" / "driver.json").read_text()

@@ -5,11 +5,12 @@ step time and answers what-if options; bad input is refused naming it.
 ``ppo-driver train --run-dir data/sim_run run.num_steps=4 run.checkpoint_every=0``
 wrote (the built-in task: 64 prompts x 4 samples, minimum 16), copied unchanged.
 ``data/sim_run_full``: the same files of a full-batch run of ``bench/bench_sim.py``'s
-``balanced`` profile (larger models, 4 policy epochs: a log-prob pass, then 4 epochs
-over the batch), 5 steps, recorded before ppo-driver 0.8.1 (each epoch a
-``train_chunk`` + ``finish_step`` pair); ``data/sim_run_full_kept``: the same profile
-and steps recorded by ppo-driver 0.8.1 (epoch 1's ``train_chunk`` keeps the batch,
-``finish_step``, then one ``train_epochs`` for epochs 2..4). ``data/sim_run_gb``: steps 40-45 of a default run of
+``balanced`` profile (larger models, 4 policy epochs), 5 steps, recorded before
+ppo-driver 0.8.1 (a log-prob pass, then each epoch a ``train_chunk`` + ``finish_step``
+pair); ``data/sim_run_full_kept``: the same profile and steps recorded by ppo-driver
+0.8.1 (streaming's calls with one chunk: epoch 1's ``train_chunk``, whose forward gives
+the old log-probs, keeps the batch, ``finish_step``, then one ``train_epochs`` for
+epochs 2..4). ``data/sim_run_gb``: steps 40-45 of a default run of
 ``bench/bench_learning.py --profile generation-bound`` (0.1 s per decode step; it
 cut its chunks as groups arrived, which its ``config.yaml`` now says explicitly:
 ``deterministic_chunks: false``), the trace's events of those steps only.
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +84,21 @@ def test_fit_sends_groups_as_the_run_did(
 
 @FULL_RUNS
 def test_fit_of_a_full_batch_run_reproduces_it(run: Path) -> None:
-    """Full batch with K epochs times them outside the chunk (the log-prob pass, then
-    K forward + backward passes and K optimizer steps): all of it is modelled, none
-    is left as per-step overhead, whichever pump recorded the run."""
+    """Full batch with K epochs: all of its step is modelled, none is left as per-step
+    overhead, whichever pump recorded the run. The projection is of today's pump: a run
+    recorded with the separate log-prob pass is projected without it (with
+    ``logprob_pass`` on, as it ran)."""
     fit = fit_run(run)
     assert fit.workload.min_groups == fit.workload.batch == 64
-    assert fit.costs.policy_epochs == 4 and fit.costs.actor_forward_per_sample > 0
-    predicted = simulate(fit.workload, fit.generation, fit.costs, fit.lengths).step_s
+    assert fit.costs.policy_epochs == 4 and not fit.costs.logprob_pass
+    rows = _rows(run)[1:]
+    logprob_s = sum(float(r.get("perf/logprob_s", 0.0)) for r in rows) / len(rows)
+    assert (logprob_s > 0) == (run == FULL_RUN)
+    as_ran = replace(fit.costs, logprob_pass=logprob_s > 0)
+    predicted = simulate(fit.workload, fit.generation, as_ran, fit.lengths).step_s
     assert abs(predicted - fit.measured_step_s) / fit.measured_step_s < 0.05
+    today = simulate(fit.workload, fit.generation, fit.costs, fit.lengths).step_s
+    assert abs(today - (fit.measured_step_s - logprob_s)) / fit.measured_step_s < 0.05
     assert fit.costs.step_overhead_s < 0.1 * fit.measured_step_s
 
 
@@ -272,8 +281,8 @@ def test_full_batch_fit_takes_epoch_1_and_the_repeats_from_the_trace() -> None:
 def test_kept_full_batch_fit_takes_each_epoch_from_its_call() -> None:
     """A full batch recorded by ppo-driver 0.8.1 makes streaming's calls: epoch 1 is
     its one ``train_chunk`` (``perf/backward_s``), ``finish_step`` its optimizer step and
-    ``train_epochs`` epochs 2..K with theirs (together ``perf/update_s``); the log-prob
-    pass is ``perf/logprob_s``. (Fitted as K pairs, epoch 1 came out K times too cheap.)"""
+    ``train_epochs`` epochs 2..K with theirs (together ``perf/update_s``); no log-prob
+    pass. (Fitted as K pairs, epoch 1 came out K times too cheap.)"""
     fit = fit_run(KEPT_RUN)
     rows = _rows(KEPT_RUN)[1:]
     steps = {r["step"] for r in rows}
@@ -288,7 +297,7 @@ def test_kept_full_batch_fit_takes_each_epoch_from_its_call() -> None:
         return sum(float(r[key]) for r in rows) / len(rows) / samples
 
     assert fit.costs.actor_train_per_sample == pytest.approx(per_sample("perf/backward_s"))
-    assert fit.costs.actor_forward_per_sample == pytest.approx(per_sample("perf/logprob_s"))
+    assert all("perf/logprob_s" not in r for r in rows)
     assert fit.costs.optimizer_s == pytest.approx(calls["finish_step"])
     later = (calls["train_epochs"] / (epochs - 1) - calls["finish_step"]) / samples
     assert fit.costs.actor_epoch_per_sample == pytest.approx(later)
@@ -312,14 +321,14 @@ def test_actor_passes_need_two_calls_in_a_step_and_order_by_time() -> None:
 
 @pytest.mark.parametrize(
     ("run", "made"),
-    [(RUN, 6), (FULL_RUN, 12), (KEPT_RUN, 7)],
+    [(RUN, 6), (FULL_RUN, 12), (KEPT_RUN, 6)],
     ids=["streaming", "full-batch-pairs", "full-batch-kept"],
 )
 def test_untimed_time_is_charged_per_model_call(run: Path, made: int) -> None:
     """What the workers did not time (the driver's round trips and work between calls) is
     fitted per call the run made (counted in its trace: a full batch with K = 4 epochs
-    made 12 a step before ppo-driver 0.8.1, 7 since; streaming in one chunk 6), so a
-    prediction for the other mode pays for the calls that mode makes today."""
+    made 12 a step before ppo-driver 0.8.1, 6 since, as streaming in one chunk), so a
+    prediction pays for the calls the mode makes today."""
     fit = fit_run(run)
     lines = (run / "metrics.jsonl").read_text().splitlines()[1:]
     rows: list[dict[str, float]] = [
@@ -334,8 +343,7 @@ def test_untimed_time_is_charged_per_model_call(run: Path, made: int) -> None:
     assert mean("train/chunks") == 1.0
     assert fit.costs.call_overhead_s * made == pytest.approx(untimed)
     assert fit.costs.step_overhead_s == fit.costs.chunk_overhead_s == 0.0
-    assert fit.costs.calls_per_step(1, logprob_pass=True) == 7
-    assert fit.costs.calls_per_step(1, logprob_pass=False) == 6
+    assert fit.costs.calls_per_step(1, logprob_pass=False) == 6  # both modes, K > 1
 
 
 def _with_widths(tmp_path: Path, run: Path, widths: Callable[[dict[str, Any]], list[int]]) -> Path:

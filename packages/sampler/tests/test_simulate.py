@@ -281,13 +281,21 @@ def test_same_seed_same_result_other_seed_other_lengths() -> None:
     assert a.steps != simulate(wl, FAST, COSTS, lengths, seed=4).steps
 
 
-def test_policy_epochs_full_batch_runs_the_logprob_pass() -> None:
+@pytest.mark.parametrize("logprob_pass", [False, True])
+def test_policy_epochs_full_batch_runs_the_logprob_pass_when_asked(logprob_pass: bool) -> None:
+    """Full batch with K > 1 epochs: by default its epoch 1 gives the old log-probs, as a
+    streamed step's does (the driver's pump); ``logprob_pass``: a separate forward first."""
     same = MeasuredLengths(lengths=(10,))
-    costs = TrainingCosts(actor_train_per_sample=1.0, actor_forward_per_sample=0.5, policy_epochs=3)
+    costs = TrainingCosts(
+        actor_train_per_sample=1.0,
+        actor_forward_per_sample=0.5,
+        policy_epochs=3,
+        logprob_pass=logprob_pass,
+    )
     stream = simulate(Workload(batch=4, min_groups=2, lookahead=0), FAST, costs, same)
     full = simulate(Workload(batch=4, min_groups=4, lookahead=0), FAST, costs, same)
-    # streaming: 3 epochs of 4 samples; full batch: the log-prob forward too
-    assert full.step_s - stream.step_s == pytest.approx(0.5 * 4)
+    # streaming: 3 epochs of 4 samples; full batch: the log-prob forward too, if asked
+    assert full.step_s - stream.step_s == pytest.approx(0.5 * 4 if logprob_pass else 0.0)
 
 
 # -- per-call overhead and the actor's repeat passes ---------------------------------------
@@ -318,12 +326,12 @@ def test_groups_finishing_at_once_stay_equal_with_call_overhead(lookahead: int) 
 def test_call_overhead_is_paid_per_call_of_the_mode(
     epochs: int, full_calls: int, stream_calls: int
 ) -> None:
-    """A full batch with K > 1 epochs calls the actor four times after the chunks (the
-    log-prob forward, epoch 1's ``train_chunk``, ``finish_step``, ``train_epochs``),
-    streaming twice: the mode's overhead follows its calls (all groups finish at once,
-    so both make one chunk and nothing else differs)."""
+    """A full batch with K > 1 epochs and ``logprob_pass`` calls the actor four times
+    after the chunks (the log-prob forward, epoch 1's ``train_chunk``, ``finish_step``,
+    ``train_epochs``), streaming twice: the mode's overhead follows its calls (all groups
+    finish at once, so both make one chunk and nothing else differs)."""
     same = MeasuredLengths(lengths=(10,))
-    costs = TrainingCosts(call_overhead_s=CALL, policy_epochs=epochs)
+    costs = TrainingCosts(call_overhead_s=CALL, policy_epochs=epochs, logprob_pass=True)
     assert costs.calls_per_step(1, logprob_pass=epochs > 1) == full_calls
     assert costs.calls_per_step(1, logprob_pass=False) == stream_calls
     slow = GenerationModel(tokens_per_s=1.0, concurrency=1000)  # 1 s per token: 10 s a step
@@ -345,6 +353,7 @@ def test_repeat_epochs_cost_the_same_in_both_modes() -> None:
         actor_epoch_per_sample=0.25,
         actor_forward_per_sample=0.5,
         policy_epochs=3,
+        logprob_pass=True,
     )
     assert costs.after_chunks_s(4, logprob_pass=True) == pytest.approx(0.5 * 4 + 4 + 2 * 0.25 * 4)
     assert costs.after_chunks_s(4, logprob_pass=False) == pytest.approx(2 * 0.25 * 4)
@@ -361,6 +370,19 @@ def test_cli_takes_the_call_overhead(capsys: pytest.CaptureFixture[str]) -> None
     assert main([*argv, "--call-overhead-s", "0.5"]) == 0
     with_calls = json.loads(capsys.readouterr().out)["full_batch_step_s"]
     assert with_calls > base + 0.5  # several calls a step
+
+
+def test_cli_takes_the_logprob_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--batch", "16", "--min-groups", "16", "--lengths", "5", "--json"]
+    argv += ["--tokens-per-s", "100", "--concurrency", "100", "--steps", "3"]
+    argv += ["--policy-epochs", "2", "--actor-forward", "0.1"]
+    assert main(argv) == 0
+    base = json.loads(capsys.readouterr().out)["full_batch_step_s"]
+    assert main([*argv, "--logprob-pass"]) == 0
+    with_pass = json.loads(capsys.readouterr().out)["full_batch_step_s"]
+    assert main([*argv, "--no-logprob-pass"]) == 0
+    assert json.loads(capsys.readouterr().out)["full_batch_step_s"] == base  # the default
+    assert with_pass > base + 1.0  # the batch's forward (the preset's packed samples)
 
 
 # -- costs that follow the lengths (scaling) ---------------------------------------------

@@ -166,12 +166,6 @@ class TrainPair:
         pending = self.critic.submit_rows(self._options(p), CriticWorker.compute_values, rows)
         return self._started(p, pending)
 
-    def logprobs(self, rows: Rows, *, step: int, then: Sequence[Phase] = ()) -> Tensor:
-        """The policy's log-probs of ``rows`` (a no-grad forward)."""
-        p = self.plan(Role.ACTOR, Phase.POLICY_FORWARD, step, then=then)
-        pending = self.actor.submit_rows(self._options(p), ActorWorker.compute_logprobs, rows)
-        return self._started(p, pending).result().tensor()
-
     def train_chunk(
         self,
         planned: Planned,
@@ -179,7 +173,6 @@ class TrainPair:
         *,
         advantages: Tensor,
         loss_denominator: float,
-        old_logprobs: Tensor | None = None,
         engine_logprobs: Tensor | None = None,
         keep: bool = False,
     ) -> Started[Metrics]:
@@ -192,7 +185,6 @@ class TrainPair:
             rows,
             advantages=advantages,
             loss_denominator=loss_denominator,
-            old_logprobs=old_logprobs,
             engine_logprobs=engine_logprobs,
             keep=keep,
         )

@@ -13,8 +13,8 @@ document's; the worker calls are in docs/interfaces.md):
     after the last chunk:
         actor : one optimizer step; epochs 2..K over the kept chunks (one update each)
                 -> refit (generation gets the new policy)
-                (full batch, K > 1: first the old log-probs from a separate forward,
-                then epoch 1 over the one chunk, which the ranks keep alike)
+    Full batch is this schedule with one chunk: its epoch 1 is also one optimizer step
+    over the whole batch, so its forward gives the old log-probs too (no separate pass).
         critic: critic_ppo_epochs over the assembled step batch
         driver: release the step's rows, count the step
 
@@ -239,7 +239,6 @@ class _StepState:
     chunk_metrics: list[dict[str, float]] = field(default_factory=list)
     # the last chunk's training call, awaited once the update behind it is started
     last_trained: Started[Metrics] | None = None
-    rows: Rows | None = None  # the last chunk's model inputs, shipped once (full batch)
     waited: float = 0.0
     refit_s: float = 0.0
     raw_advantages: list[torch.Tensor] = field(default_factory=list)  # valid ones, per chunk
@@ -368,8 +367,6 @@ class TrainPump:
         # before the driver assembles and checks the step batch
         started: list[Started[Metrics]] = []
         if s.policy:
-            if self._logprob_pass:  # full batch: the separate log-prob forward, epoch 1
-                self._full_batch_first_epoch(s)
             started = self._start_update(s)
         batch = StepBatch.assemble(s.chunks, pad_id=self.pad_id, group_sizes=s.chunk_groups)
         self._check_batch(batch)
@@ -433,13 +430,13 @@ class TrainPump:
         (``_StepState.last_trained``)."""
         ppo = self.cfg.ppo
         rows = Rows(chunk.model_inputs(), blocks=s.blocks)
-        backward = s.policy and not self._logprob_pass
+        backward = s.policy  # False in critic warm-up
         if backward:
             after_values: tuple[Phase, ...] = ()
         elif more:
             after_values = (Phase.WAIT, Phase.VALUE_FORWARD)
         else:
-            after_values = (Phase.POLICY_FORWARD if s.policy else Phase.CRITIC_TRAIN,)
+            after_values = (Phase.CRITIC_TRAIN,)
         values = self.pair.values(rows, step=s.step, then=after_values)
         if backward:  # queues the critic's sleep now, behind its forward
             then = () if more else (Phase.POLICY_UPDATE,)
@@ -467,7 +464,6 @@ class TrainPump:
             else:  # the update queues behind it on the actor ranks without waiting here
                 s.last_trained = trained
         s.chunks.append(chunk)
-        s.rows = rows
 
     def _normalize(
         self, s: _StepState, advantages: torch.Tensor, mask: torch.Tensor
@@ -489,13 +485,6 @@ class TrainPump:
         return whiten_with(values=advantages, mask=mask, stats=self.adv_stats)
 
     # ---------------------------------------------------------------- after the chunks
-    @property
-    def _logprob_pass(self) -> bool:
-        """Full-batch with several policy epochs: old log-probs from a separate forward
-        (as verl and OpenRLHF compute them). Streaming never runs one: the streamed pass's
-        own forward gives them, kept on the actor ranks for epochs 2..K."""
-        return not self.cfg.streaming and self.cfg.ppo.ppo_epochs > 1
-
     def _start_update(self, s: _StepState) -> list[Started[Metrics]]:
         """After epoch 1's chunks: its optimizer step, then epochs 2..K over the chunks
         the actor ranks kept, each with its step; started, not awaited (the actor runs
@@ -516,27 +505,6 @@ class TrainPump:
                 )
             )
         return calls
-
-    def _full_batch_first_epoch(self, s: _StepState) -> None:
-        """Full batch, K > 1 epochs: the old log-probs from a separate forward over the
-        step's one chunk (the rows the value forward read, in the order they were
-        claimed: by prompt index, or by longest response with ``block_order: length``,
-        so that its micro-batches are those of the streamed blocks), then epoch 1's
-        forward + backward, the rank keeping the chunk for epochs 2..K as a streamed step
-        does: its tokens, advantages and old log-probs go to the actor once a step."""
-        (chunk,) = s.chunks
-        rows = s.rows
-        assert rows is not None  # _train_chunk keeps the last chunk's rows
-        old = self.pair.logprobs(rows, step=s.step, then=(Phase.POLICY_BACKWARD,))
-        s.last_trained = self.pair.train_chunk(
-            self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step),
-            rows,
-            advantages=chunk.need("advantages"),
-            old_logprobs=old,
-            engine_logprobs=chunk.engine_logprobs,  # the engine-vs-trainer gap, measured once
-            loss_denominator=s.denominator,
-            keep=True,
-        )
 
     def _refit_trained(self, s: _StepState) -> None:
         """The engines get the policy this step trained: the next weight version."""
@@ -759,7 +727,7 @@ class TrainPump:
         }
         for phase, seconds in totals.items():
             out.setdefault(f"perf/{phase}_s", seconds)
-        if s.policy:  # the actor's passes over this step's samples (1 while streaming)
+        if s.policy:  # the actor's passes over this step's samples (K: one per epoch)
             counts = self.pair.actor_counters()
             done = {k: v - self._counted.get(k, 0.0) for k, v in counts.items()}
             self._counted = counts

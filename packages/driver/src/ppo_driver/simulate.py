@@ -20,12 +20,15 @@ step: the phases' seconds, as the trace timed them, and each group's longest res
   per optimizer step, per refit, per model switch, and per model call: what remains of
   the step when the wait and every phase timed inside the workers are taken out (the
   driver's round trips, shipping rows, GAE, batch assembly), divided by the model calls
-  the run made (counted in its trace: a full batch with K > 1 epochs makes four policy
-  calls after the chunks, 2K + 1 before ppo-driver 0.8.1, where streaming makes one or
-  two), so this follows the mode instead of being carried over as a constant. A full
-  batch recorded before 0.8.1 (K ``train_chunk`` + ``finish_step`` pairs a step) is
-  fitted from those pairs; since, its calls are streaming's (epoch 1's ``train_chunk``,
-  ``finish_step``, ``train_epochs``) and are fitted as streaming's are.
+  the run made (counted in its trace), so this follows the mode instead of being
+  carried over as a constant.
+
+A full batch makes streaming's calls with one chunk (epoch 1's ``train_chunk``, whose
+forward gives the old log-probs, ``finish_step``, ``train_epochs``) and is fitted as
+streaming is. One recorded before ppo-driver 0.8.1 ran a separate log-prob forward and
+K ``train_chunk`` + ``finish_step`` pairs a step (2K + 1 policy calls): it is fitted from
+those pairs, and its log-prob pass is fitted (``actor_forward_per_sample``) but not
+projected (``TrainingCosts.logprob_pass`` stays off: the projection is of today's pump).
 
 The simulator (:func:`ppo_sampler.simulate_minimums`) then replays steps through the
 real sampler with these costs. It projects; it does not measure. Groups travel as the
@@ -431,12 +434,12 @@ def _fit_costs(
     samples = workload.batch * workload.samples_per_group
     epochs = as_int(ppo.get("ppo_epochs", 1))
     critic_epochs = as_int(ppo.get("critic_ppo_epochs", 1))
-    full = workload.min_groups == workload.batch
-    logprob_pass = full and epochs > 1
-    # a full batch recorded before ppo-driver 0.8.1 ran its K epochs as K train_chunk +
-    # finish_step pairs (backward_s and update_s hold all K); since, as streaming does:
-    # epoch 1's train_chunk, one finish_step, train_epochs for epochs 2..K
-    pairs = logprob_pass and "train_epochs" not in calls and bool(calls)
+    # a full batch recorded before ppo-driver 0.8.1 ran a separate log-prob forward,
+    # then its K epochs as K train_chunk + finish_step pairs (backward_s and update_s
+    # hold all K); since, it makes streaming's calls with one chunk (epoch 1's
+    # train_chunk, one finish_step, train_epochs for epochs 2..K), and so is fitted
+    logprob_pass = _mean(rows, "perf/logprob_s") > 0
+    pairs = logprob_pass and epochs > 1 and "train_epochs" not in calls and bool(calls)
     value = _mean(rows, "perf/value_s") / samples
     actor = _mean(rows, "perf/backward_s") / (samples * (epochs if pairs else 1))
     update = _mean(rows, "perf/update_s")
@@ -450,7 +453,8 @@ def _fit_costs(
         if epochs > 1 and "train_epochs" in calls:
             per_epoch = calls["train_epochs"] / (epochs - 1) - optimizer
             later = max(0.0, per_epoch / samples)
-    # streaming times no log-prob pass: the critic's forward stands in (same shape here)
+    # a run without the log-prob pass timed none: the critic's forward stands in (the
+    # same shape here), for a projection with TrainingCosts.logprob_pass
     forward = _mean(rows, "perf/logprob_s") / samples if logprob_pass else value
     chunks = _mean(rows, "train/chunks")
     switches = _mean(rows, "train/switches") or 2 * chunks
@@ -489,7 +493,7 @@ def _fit_costs(
         reference_tokens=None if widths is None else widths.reference,
         prompt_tokens=0.0 if widths is None else widths.prompt,
     )
-    made = calls_made or costs.calls_per_step(chunks, logprob_pass=logprob_pass)
+    made = calls_made or costs.calls_per_step(chunks, logprob_pass=pairs)
     return replace(costs, call_overhead_s=untimed / made)
 
 

@@ -101,6 +101,10 @@ _WORKLOAD_SWITCHES = {
     "deterministic_chunks": "async_rl.deterministic_chunks: fixed blocks, each once all its groups are done",
     "merge_ready_blocks": "async_rl.merge_ready_blocks: every ready fixed block in one chunk",
 }
+_COST_SWITCHES = {
+    "logprob_pass": "full batch with K > 1 policy epochs: a separate log-prob forward before "
+    "epoch 1 (verl's, OpenRLHF's; ppo-driver's before 0.8.1)",
+}
 _GENERATION_FLAGS = ("tokens_per_s", "concurrency", "engines", "batching", "latency_s")
 _COST_FLAGS = {
     "value_forward": "value_forward_per_sample",
@@ -155,6 +159,13 @@ def _simulate_parser() -> argparse.ArgumentParser:
         if flag == "scaling":
             help_ = "sample, padded or packed: how a pass's work follows its lengths"
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=help_)
+    for flag, what in _COST_SWITCHES.items():
+        p.add_argument(
+            f"--{flag.replace('_', '-')}",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{what} (default: the preset's, off)",
+        )
     return p
 
 
@@ -177,7 +188,9 @@ def simulate_main(argv: Sequence[str]) -> int:
         generation: GenerationModel = _replaced(
             preset.generation, args, {f: f for f in _GENERATION_FLAGS}
         )
-        costs: TrainingCosts = _replaced(preset.costs, args, _COST_FLAGS)
+        costs: TrainingCosts = _replaced(
+            preset.costs, args, {**_COST_FLAGS, **{f: f for f in _COST_SWITCHES}}
+        )
         lengths: LognormalLengths | MeasuredLengths = preset.lengths
         if args.lengths is not None:
             lengths = MeasuredLengths(lengths=tuple(int(n) for n in args.lengths.split(",") if n))

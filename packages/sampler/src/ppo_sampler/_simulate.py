@@ -202,16 +202,23 @@ class TrainingCosts:
 
     ``policy_epochs`` > 1 (the project's extension): streaming runs epoch 1 in the
     chunks and epochs 2..K over the whole batch after them, each with its optimizer
-    step; full batch first runs a log-prob forward (``actor_forward_per_sample``) and
-    then K epochs over the batch (the driver's pump does the same). In both modes the
-    first epoch is the actor's first pass over the step's samples
-    (``actor_train_per_sample``) and epochs 2..K repeat it (``actor_epoch_per_sample``)."""
+    step; full batch does the same with one chunk (the driver's pump since ppo-driver
+    0.8.1: epoch 1 is one optimizer step over the batch, so its forward gives the old
+    log-probs), or, with ``logprob_pass``, first runs a separate log-prob forward
+    (``actor_forward_per_sample``). In both modes the first epoch is the actor's first
+    pass over the step's samples (``actor_train_per_sample``) and epochs 2..K repeat it
+    (``actor_epoch_per_sample``)."""
 
     value_forward_per_sample: float = 0.0
     actor_train_per_sample: float = 0.0
     """The actor's first forward + backward over a sample in a step (epoch 1)."""
     critic_train_per_sample: float = 0.0
     actor_forward_per_sample: float = 0.0
+    """The separate log-prob forward of a full batch with ``logprob_pass``, per sample."""
+    logprob_pass: bool = False
+    """A full batch with ``policy_epochs`` > 1 computes the old log-probs in a separate
+    forward before epoch 1 (verl's and OpenRLHF's full batch, and ppo-driver's before
+    0.8.1); False (default): epoch 1's own forward gives them, as streaming's does."""
     actor_epoch_per_sample: float | None = None
     """Epochs 2..K, per sample and epoch: a repeat pass over samples the actor already
     holds (streaming: the kept chunks; full batch: the batch it has just trained on);
@@ -769,7 +776,7 @@ class _Run:
         chunk_work: list[float] = []
         claimed: list[int] = []
         remaining = wl.batch
-        logprob_pass = wl.min_groups == wl.batch and c.policy_epochs > 1
+        logprob_pass = c.logprob_pass and wl.min_groups == wl.batch and c.policy_epochs > 1
         while remaining:
             released, ids = self.wait_for_chunk(poll, step, remaining)
             claimed += ids
