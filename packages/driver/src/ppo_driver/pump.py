@@ -13,10 +13,11 @@ document's; the worker calls are in docs/interfaces.md):
     after the last chunk:
         actor : one optimizer step; epochs 2..K over the kept chunks (one update each)
                 -> refit (generation gets the new policy)
-    Full batch is this schedule with one chunk: its epoch 1 is also one optimizer step
-    over the whole batch, so its forward gives the old log-probs too (no separate pass).
         critic: critic_ppo_epochs over the assembled step batch
         driver: release the step's rows, count the step
+
+Full batch is this schedule with one chunk: its epoch 1 is also one optimizer step over
+the whole batch, so its forward gives the old log-probs too (no separate pass).
 
 Colocated generation (``cluster.colocate``, full batch only; no look-ahead: validate)
 time-shares the training devices with both models: the engines hold them only while
