@@ -258,7 +258,7 @@ def _ratios(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, str
                 (
                     f"actor forwards per sample ({mode})",
                     _mean(timed, "train/actor_forwards_per_sample"),
-                    "(+ the backward; 1 while streaming without KL loss)",
+                    "(+ the backward; K policy epochs: K in both modes)",
                 )
             )
     return out

@@ -13,7 +13,8 @@ The README's plot (``docs/reward.png``), after the runs its README section gives
         runs/bench/task-full-batch-s{0,1,2,3,4}=full-batch
 
 Since the default and the full-batch config learn the same per step, bit for bit, their
-curves over steps coincide; over training seconds the streamed run's lie to the left.
+curves over steps coincide; on this training-bound task, where the full batch does the
+streamed step's work, over training seconds too, up to the load's noise.
 """
 
 from __future__ import annotations
