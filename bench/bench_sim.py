@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -135,9 +136,9 @@ def main() -> None:
     _report(results, measured_all, load, time.perf_counter() - t0)
 
 
-Result = tuple[
-    str, str, str, float, float, str
-]  # the last: "yes", "NO", "tie" or "-" (faster mode right?)
+Mark = Literal["yes", "NO", "tie", "-"]
+"""Faster mode right? ("-": the pair has no full batch; "tie": projected within TIE)."""
+Result = tuple[str, str, str, float, float, Mark]
 
 
 def _fit_and_predict(
@@ -175,7 +176,7 @@ def _fit_and_predict(
             # which is faster, streaming or full batch: only for a pair that has both; a
             # "tie" where the projections are within TIE of each other (the same schedule,
             # as a training-bound profile's one chunk a step: the runs' spread decides)
-            faster = "-"
+            faster: Mark = "-"
             if "full batch" in (fit_on, target):
                 other = fit_on if target == "full batch" else target
                 p_stream = _predict(run, skip=skip, minimum=lows[other], steps=steps)

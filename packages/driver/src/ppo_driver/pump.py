@@ -420,8 +420,8 @@ class TrainPump:
         return chunk
 
     def _train_chunk(self, s: _StepState, chunk: ChunkBatch, *, more: bool) -> None:
-        """Value forward, GAE, and (streaming) the actor's forward + backward: one call
-        per model; the tokens go to Ray's object store once for both.
+        """Value forward, GAE, and (after the critic's warm-up) the actor's forward +
+        backward: one call per model; the tokens go to Ray's object store once for both.
 
         While streaming, no switch waits on the driver: the critic's sleep is queued
         behind its forward (it runs while the driver computes GAE, and the actor's call
@@ -431,15 +431,14 @@ class TrainPump:
         (``_StepState.last_trained``)."""
         ppo = self.cfg.ppo
         rows = Rows(chunk.model_inputs(), blocks=s.blocks)
-        backward = s.policy  # False in critic warm-up
-        if backward:
+        if s.policy:  # not in critic warm-up
             after_values: tuple[Phase, ...] = ()
         elif more:
             after_values = (Phase.WAIT, Phase.VALUE_FORWARD)
         else:
             after_values = (Phase.CRITIC_TRAIN,)
         values = self.pair.values(rows, step=s.step, then=after_values)
-        if backward:  # queues the critic's sleep now, behind its forward
+        if s.policy:  # queues the critic's sleep now, behind its forward
             then = () if more else (Phase.POLICY_UPDATE,)
             actor_plan = self.pair.plan(Role.ACTOR, Phase.POLICY_BACKWARD, s.step, then=then)
         chunk.old_values = values.result().tensor()
@@ -451,7 +450,7 @@ class TrainPump:
             lam=ppo.adv_estimator.lam,
         )
         chunk.advantages = self._normalize(s, advantages, chunk.loss_mask)
-        if backward:
+        if s.policy:
             trained = self.pair.train_chunk(
                 actor_plan,
                 rows,

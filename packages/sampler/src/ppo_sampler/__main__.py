@@ -142,13 +142,6 @@ def _simulate_parser() -> argparse.ArgumentParser:
     for flag in _WORKLOAD_FLAGS:
         kind = str if flag in ("sampler", "block_order") else int
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
-    for flag, key in _WORKLOAD_SWITCHES.items():
-        p.add_argument(
-            f"--{flag.replace('_', '-')}",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help=f"{key} (default: the preset's, off)",
-        )
     for flag in _GENERATION_FLAGS:
         kind = str if flag == "batching" else int if flag in ("concurrency", "engines") else float
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None)
@@ -159,7 +152,7 @@ def _simulate_parser() -> argparse.ArgumentParser:
         if flag == "scaling":
             help_ = "sample, padded or packed: how a pass's work follows its lengths"
         p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=help_)
-    for flag, what in _COST_SWITCHES.items():
+    for flag, what in {**_WORKLOAD_SWITCHES, **_COST_SWITCHES}.items():
         p.add_argument(
             f"--{flag.replace('_', '-')}",
             action=argparse.BooleanOptionalAction,

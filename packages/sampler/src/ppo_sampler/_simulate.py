@@ -26,8 +26,8 @@ the driver's pump does. What is modelled is time:
   may go out then), a switch and ``critic_epochs`` epochs over the whole batch. Every
   call the pump makes to a model also costs ``call_overhead_s`` of the driver's time
   before its work starts (:meth:`TrainingCosts.calls_per_step` counts them), so a mode
-  that makes more calls (full batch with K epochs: a log-prob pass before epoch 1's
-  ``train_chunk``) pays for each.
+  that makes more calls (full batch with K epochs and ``TrainingCosts.logprob_pass``: a
+  log-prob pass before epoch 1's ``train_chunk``) pays for each.
 
 All times are seconds. The model is a projection: it knows nothing of memory limits,
 stragglers, network contention or engine preemption; a fitted model's error on this
@@ -331,9 +331,9 @@ class TrainingCosts:
 
     def after_chunks_calls(self, *, logprob_pass: bool) -> int:
         """Model calls after the chunks, the refit and critic training included:
-        ``finish_step`` and, for K > 1, ``train_epochs``; a full batch with K > 1 first
-        the log-prob forward and epoch 1's ``train_chunk`` (as the driver's pump since
-        ppo-driver 0.8.1: K ``train_chunk`` + ``finish_step`` pairs before)."""
+        ``finish_step`` and, for K > 1, ``train_epochs``; with ``logprob_pass`` (a full
+        batch with K > 1) first the log-prob forward and epoch 1's ``train_chunk``, which
+        then come after the chunks."""
         policy = 1 + (1 if self.policy_epochs > 1 else 0)
         if logprob_pass:
             policy += 2
