@@ -677,6 +677,78 @@ def test_tiny_model_is_written_for_sglang(tmp_path: Path, fake_sglang: None) -> 
         SglangEngine(model_path=path, model=spec, run_seed=0)
 
 
+def test_a_refit_that_does_not_fit_the_checkpoint_never_reaches_sglang(
+    tmp_path: Path, fake_sglang: None
+) -> None:
+    """sglang 0.5.23 skips a name its model lacks (a log warning, then success: stale
+    weights under the new version) and asserts on a wrong shape in its scheduler (the
+    engine dies): the engine checks the refit against the checkpoint sglang loaded
+    first, and refuses before sglang sees anything."""
+    from ppo_driver.rollout import SglangEngine, SglangWeightUpdateError, materialize_model
+    from ppo_driver.rollout._refit import save_weights_to_disk
+    from ppo_trainer import ModelSpec, build_causal_lm
+
+    spec = ModelSpec(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, seed=7)  # fmt: skip
+    path = materialize_model(spec, str(tmp_path / "m"))
+    engine = SglangEngine(model_path=path, run_seed=0)
+    fake = engine.engine
+    good = build_causal_lm(spec).state_dict()
+    renamed = {k.replace("model.", "base.", 1): v for k, v in good.items()}
+    wider = {**good, "model.norm.weight": torch.ones(33)}
+    short = {k: v for k, v in good.items() if k != "lm_head.weight"}
+    cases = [
+        (renamed, r"unknown \d+: base\..*missing \d+: "),
+        (wider, r"shape 1: model\.norm\.weight \[33\] \(the checkpoint's \[32\]\)"),
+        (short, r"missing 1: lm_head\.weight"),  # the tiny model's head is not tied
+    ]
+    for version, (tensors, message) in enumerate(cases, start=1):
+        disk = save_weights_to_disk(tensors, tmp_path / f"v{version}", version=version)
+        with pytest.raises(SglangWeightUpdateError, match=message):
+            engine.update_weights_from_disk(disk, version=version)
+        assert fake.updates == [] and engine.weight_version == 0  # sglang saw nothing
+    with pytest.raises(SglangWeightUpdateError, match="unknown 1: extra"):
+        engine.update_weights_from_distributed(
+            version=4, names=["extra"], dtypes=["float32"], shapes=[[1]], group_name="g"
+        )
+    disk = save_weights_to_disk(good, tmp_path / "v5", version=5)
+    assert engine.update_weights_from_disk(disk, version=5) == 5
+    assert set(fake.updates[0]) == set(good)
+    engine.shutdown()
+
+
+def test_checkpoint_layout_reads_headers_shards_and_the_tied_head(tmp_path: Path) -> None:
+    import json
+
+    from ppo_driver.rollout._refit import CheckpointLayout, checkpoint_layout
+    from safetensors.torch import save_file
+
+    assert checkpoint_layout(tmp_path) is None  # no safetensors: nothing to check
+    assert checkpoint_layout(tmp_path / "absent") is None  # a hub id, not a directory
+    save_file({"a.weight": torch.zeros(2, 3)}, str(tmp_path / "s1.safetensors"))
+    save_file({"embed.weight": torch.zeros(5, 2)}, str(tmp_path / "s2.safetensors"))
+    index = {"weight_map": {"a.weight": "s1.safetensors", "embed.weight": "s2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    layout = checkpoint_layout(tmp_path)
+    assert layout == CheckpointLayout({"a.weight": (2, 3), "embed.weight": (5, 2)}, tied=False)
+    assert layout.mismatch({"a.weight": (2, 3), "embed.weight": (5, 2)}) is None
+    assert layout.mismatch({"a.weight": (2, 3), "embed.weight": (5, 2), "lm_head.weight": (5, 2)})
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    tied = checkpoint_layout(tmp_path)
+    assert tied is not None and tied.tied
+    # a tied head may be sent (the trainer's state dict names it) or not
+    assert (
+        tied.mismatch({"a.weight": [2, 3], "embed.weight": [5, 2], "lm_head.weight": [5, 2]})
+        is None
+    )
+    assert tied.mismatch({"a.weight": [2, 3], "embed.weight": [5, 2]}) is None
+    (tmp_path / "config.json").unlink()  # no config: transformers' default, tied
+    assert checkpoint_layout(tmp_path) == tied
+    many = CheckpointLayout({f"w{i}": (1,) for i in range(6)})
+    assert many.mismatch({}) == "missing 6: w0, w1, w2, w3, ..."
+
+
 # -- validate: rollout.engine ------------------------------------------------------------
 
 

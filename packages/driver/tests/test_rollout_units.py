@@ -211,6 +211,24 @@ def test_embedded_engine_in_process_tags_version_and_pauses(dataset: PromptDatas
         engine.generate([req, req])
 
 
+def test_embedded_engine_refuses_a_refit_that_does_not_fit_before_any_copy() -> None:
+    """A wrong name or shape changes nothing: the check runs before the first copy (a
+    shape that broadcasts, say a one-element tensor for a norm's weight, would otherwise
+    be copied into every element, and a later mismatch would stop the copy half way)."""
+    engine = EmbeddedEngine(model=tiny_qwen2_config(vocab_size=TOK.vocab_size), run_seed=1)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = {k: v + 0.01 for k, v in before.items()}
+    broadcast = {**new, "model.norm.weight": torch.ones(1)}
+    with pytest.raises(ValueError, match=r"shape 1: model\.norm\.weight \[1\]"):
+        engine.update_weights(broadcast, version=1)
+    renamed = {("x." + k if k.startswith("lm_head") else k): v for k, v in new.items()}
+    with pytest.raises(ValueError, match=r"unknown 1: x\.lm_head\.weight; missing 1: lm_head"):
+        engine.update_weights(renamed, version=1)
+    after = engine.model.state_dict()
+    assert engine.weight_version == 0
+    assert all(torch.equal(after[k], before[k]) for k in before)  # nothing was written
+
+
 def test_embedded_engine_starts_released_and_takes_a_refit_while_released(
     dataset: PromptDataset,
 ) -> None:

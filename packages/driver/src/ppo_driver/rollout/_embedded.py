@@ -36,7 +36,13 @@ import torch
 from ppo_lifecycle import ALL_PARTS, OffloadManager
 
 from ._model import ModelSource, build_model
-from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
+from ._refit import (
+    CheckpointLayout,
+    RefitGroup,
+    connect_group,
+    load_weights_from_disk,
+    receive_state_dict,
+)
 from ._sampling import generate_rows, sample_seed
 from ._types import (
     ActorRef,
@@ -406,14 +412,13 @@ class EmbeddedEngine:
 
     # -- weights ----------------------------------------------------------------------------
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> int:
-        params = self.model.state_dict()
-        missing = sorted(set(params) - set(tensors))
-        unknown = sorted(set(tensors) - set(params))
-        if unknown or missing:
+        layout = CheckpointLayout({n: tuple(p.shape) for n, p in self.model.state_dict().items()})
+        problem = layout.mismatch({n: t.shape for n, t in tensors.items()})
+        if problem is not None:  # checked before any copy: a mismatch changes nothing
             raise ValueError(
                 f"engine {self.engine_id}: weights for version {version} do not match the "
-                f"model (missing {missing[:5]}, unknown {unknown[:5]}); the engine and the "
-                "trainer must build the same architecture"
+                f"model ({problem}); the engine and the trainer must build the same "
+                "architecture"
             )
         with self._lock, torch.no_grad():
             if self._released:  # released (colocated): wake, write, release again

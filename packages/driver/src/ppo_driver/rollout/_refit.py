@@ -377,6 +377,70 @@ def load_weights_from_disk(path: str | Path) -> tuple[int, dict[str, torch.Tenso
     return version, load_file(str(d / "model.safetensors"))
 
 
+# -- what an engine's checkpoint holds -------------------------------------------------------
+
+_TIED_HEAD = "lm_head.weight"
+"""The output head's name, absent from (or ignored in) a checkpoint whose config ties it
+to the input embedding (``tie_word_embeddings``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """The tensors a Hugging Face checkpoint directory holds (names -> shapes, read from
+    the safetensors headers: no tensor is loaded), and whether its config ties the
+    output head to the input embedding."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    tied: bool = False
+
+    def mismatch(self, sent: Mapping[str, Sequence[int]]) -> str | None:
+        """What is wrong with a refit of tensors of these shapes (name -> shape) for a
+        model loaded from this checkpoint (``None``: nothing): names it does not hold,
+        names it holds that the refit lacks (their weights would stay the old ones),
+        shapes that differ. A tied head may be sent or not."""
+        expected = {n: s for n, s in self.shapes.items() if not (self.tied and n == _TIED_HEAD)}
+        given = {n: tuple(s) for n, s in sent.items() if not (self.tied and n == _TIED_HEAD)}
+        unknown = sorted(set(given) - set(expected))
+        missing = sorted(set(expected) - set(given))
+        shapes = [
+            f"{n} {list(given[n])} (the checkpoint's {list(expected[n])})"
+            for n in sorted(set(given) & set(expected))
+            if given[n] != expected[n]
+        ]
+        problems = [
+            f"{label} {len(items)}: {', '.join(items[:4])}{', ...' if len(items) > 4 else ''}"
+            for label, items in (("unknown", unknown), ("missing", missing), ("shape", shapes))
+            if items
+        ]
+        return "; ".join(problems) or None
+
+
+def checkpoint_layout(path: str | Path) -> CheckpointLayout | None:
+    """The :class:`CheckpointLayout` of the Hugging Face directory ``path``: its
+    ``model.safetensors`` or the shards its ``model.safetensors.index.json`` names.
+    ``None`` when the directory holds no safetensors (a ``.bin`` checkpoint, or no
+    local directory): then nothing can be checked."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+    elif (d / "model.safetensors").is_file():
+        files = [d / "model.safetensors"]
+    else:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    # without the key, transformers' own default (PretrainedConfig): tied
+    config = d / "config.json"
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    return CheckpointLayout(shapes=shapes, tied=bool(settings.get("tie_word_embeddings", True)))
+
+
 # -- driver side ----------------------------------------------------------------------------
 
 

@@ -47,7 +47,14 @@ from typing import TYPE_CHECKING, NotRequired, TypedDict, TypeVar
 import torch
 
 from ._embedded import engine_actor_options, started_actor
-from ._refit import RefitGroup, connect_group, load_weights_from_disk, receive_state_dict
+from ._refit import (
+    CheckpointLayout,
+    RefitGroup,
+    checkpoint_layout,
+    connect_group,
+    load_weights_from_disk,
+    receive_state_dict,
+)
 from ._sampling import sample_seed
 from ._types import (
     ActorRef,
@@ -330,8 +337,10 @@ class SglangEngine:
         kwargs.update(engine_kwargs)
         kwargs.setdefault("enable_weights_cpu_backup", bool(kwargs["enable_memory_saver"]))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
-        path = model_path if model is None else materialize_model(model)
+        path = materialize_model(model) if model is not None else str(model_path)
         self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
+        self._model_path = path
+        self._layout: CheckpointLayout | None = checkpoint_layout(path)
         self._loop = self._call(self._engine_loop)
         self._queue: list[_Request] = []  # generate calls not yet handed to sglang
         self._queue_lock = threading.Lock()
@@ -603,6 +612,7 @@ class SglangEngine:
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> int:
         """Hand ``tensors`` to sglang (``update_weights_from_tensor``): CUDA tensors go by
         CUDA IPC; CPU ones (a gloo refit) are moved to this process's GPU first."""
+        self._check_layout(version, {n: t.shape for n, t in tensors.items()})
         if torch.cuda.is_available():
             tensors = {k: v.cuda() if not v.is_cuda else v for k, v in tensors.items()}
         named = list(tensors.items())
@@ -611,6 +621,23 @@ class SglangEngine:
             "update_weights_from_tensor",
             lambda: self.engine.update_weights_from_tensor(named_tensors=named),
         )
+
+    def _check_layout(self, version: int, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Refuse a refit that does not fit the checkpoint sglang loaded, before sglang
+        sees it: sglang 0.5.23 skips a name its model lacks with a log warning and still
+        reports success (those weights, and any the refit lacks, stay the old ones under
+        the new version), and a wrong shape fails an assertion in its scheduler process,
+        which ends the engine. Not checked where the model directory holds no
+        safetensors."""
+        problem = self._layout.mismatch(shapes) if self._layout is not None else None
+        if problem is not None:
+            raise SglangWeightUpdateError(
+                f"engine {self.engine_id}: the weights for version {version} do not fit the "
+                f"checkpoint sglang loaded ({self._model_path}): {problem}. Nothing was "
+                "loaded; the engine keeps its weights. The trainer must send the "
+                "checkpoint's Hugging Face names and shapes: the policy and the engines "
+                "must be the same model (policy.model_path)"
+            )
 
     def _update_weights(
         self, version: int, call: str, update: Callable[[], object], *, session: bool = True
@@ -710,6 +737,9 @@ class SglangEngine:
     def update_weights_from_distributed(self, *, version: int, **kwargs: object) -> int:
         """sglang's ``update_weights_from_distributed`` (``kwargs``: its ``names``,
         ``dtypes``, ``shapes``, ``group_name``, ...), in a weight-update session."""
+        names, shapes = kwargs.get("names"), kwargs.get("shapes")
+        if isinstance(names, Sequence) and isinstance(shapes, Sequence):
+            self._check_layout(version, dict(zip(names, shapes, strict=True)))
         return self._update_weights(
             version,
             "update_weights_from_distributed",
