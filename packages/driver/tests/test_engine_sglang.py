@@ -190,6 +190,7 @@ class _FakeSglEngine:
         self.kwargs = kwargs
         self.calls: list[tuple[str, int]] = [("__init__", threading.get_ident())]
         self.updates: list[dict[str, torch.Tensor]] = []
+        self.flushes: list[bool] = []  # flush_cache of each tensor update
         self.weights: dict[str, torch.Tensor] | None = {}
         self.offloaded: set[str] = set()
         self.session = False
@@ -236,6 +237,7 @@ class _FakeSglEngine:
     ) -> tuple[bool, str]:
         self._mark("update_weights_from_tensor")
         self.updates.append(dict(named_tensors))
+        self.flushes.append(flush_cache)
         return self._load("update_weights_from_tensor", dict(named_tensors))
 
     def update_weights_from_distributed(
@@ -504,6 +506,50 @@ def test_refit_protocol_hands_the_weights_to_sglang(fake_sglang: None) -> None:
     for name, tensor in weights.items():
         assert torch.equal(update[name], tensor)
     engine.close_refit_group(group_name="g")
+    engine.shutdown()
+
+
+def test_a_refit_reaches_sglang_in_bounded_loads_in_one_session(fake_sglang: None) -> None:
+    """A refit is handed over in loads of at most ``load_bucket_bytes`` (a larger tensor
+    alone), in the refit's order, inside one weight-update session, the cache flushed
+    after the last load only: the GPU holds one load beside the served model, not the
+    whole policy. A refused load ends the update: the session is closed, the later loads
+    are not sent, and the engine generates nothing until an update succeeds."""
+    from ppo_driver.rollout import SglangEngine, SglangWeightUpdateError
+
+    weights = {  # 16, 16, 40 (alone: over the bound), 8 and 8 bytes
+        "a": torch.zeros(4), "b": torch.ones(4), "big": torch.full((10,), 2.0),
+        "c": torch.full((2,), 3.0), "d": torch.full((2,), 4.0),
+    }  # fmt: skip
+    engine = SglangEngine(model_path="/m", run_seed=0, load_bucket_bytes=32)
+    fake = engine.engine
+    assert engine._apply(1, weights) == 1
+    assert [list(u) for u in fake.updates] == [["a", "b"], ["big"], ["c", "d"]]
+    assert fake.flushes == [False, False, True]
+    calls = [name for name, _ in fake.calls if "weight" in name]
+    assert calls == [
+        "begin_weight_update",
+        *["update_weights_from_tensor"] * 3,
+        "end_weight_update",
+    ]
+    assert _holds(fake, weights) and not fake.session
+
+    real_update = fake.update_weights_from_tensor
+
+    def refuse_the_second(named_tensors: Any, **kwargs: Any) -> tuple[bool, str]:
+        if len(fake.updates) == 4:  # the second load of this update
+            fake.fail_update = "Unknown parameter name: big"
+        return real_update(named_tensors, **kwargs)
+
+    fake.update_weights_from_tensor = refuse_the_second
+    with pytest.raises(SglangWeightUpdateError, match="Unknown parameter name: big"):
+        engine._apply(2, weights)
+    assert len(fake.updates) == 5 and not fake.session  # stopped there, session closed
+    assert engine.weight_version == 1
+    with pytest.raises(RuntimeError, match="failed"):
+        engine.generate([_request(0)])
+    with pytest.raises(ValueError, match="load_bucket_bytes=0"):
+        SglangEngine(model_path="/m", run_seed=0, load_bucket_bytes=0)
     engine.shutdown()
 
 

@@ -208,9 +208,14 @@ def broadcast_state_dict(
     }
 
 
-def receive_state_dict(*, group: RefitGroup) -> tuple[int, dict[str, torch.Tensor]]:
-    """Receive one :func:`broadcast_state_dict`; returns (version, tensors on the
-    group's device)."""
+def receive_state_dict(
+    *, group: RefitGroup, device: str | torch.device | None = None
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """Receive one :func:`broadcast_state_dict`; returns (version, tensors on ``device``,
+    default the group's). With another ``device`` (the host, for an engine that loads
+    the weights into its model bucket by bucket) each bucket is moved there as it
+    arrives, so the group's device holds one bucket at a time."""
+    target = torch.device(device) if device is not None else group.device
     length = torch.zeros(1, dtype=torch.int64, device=group.device)
     _broadcast(group, length)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
@@ -232,7 +237,9 @@ def receive_state_dict(*, group: RefitGroup) -> tuple[int, dict[str, torch.Tenso
             # bytes first, then the dtype: the tensors lie back to back, so one may start
             # at an offset its dtype cannot view (a float32 after a bfloat16[5]); the copy
             # (needed anyway, to free the bucket) starts at 0
-            out[specs[i]["name"]] = flat[offset : offset + nb].clone().view(dtype).reshape(shape)
+            part = flat[offset : offset + nb]
+            part = part.clone() if target == flat.device else part.to(target)
+            out[specs[i]["name"]] = part.view(dtype).reshape(shape)
             offset += nb
     return int(header["version"]), out
 

@@ -53,6 +53,7 @@ from ._refit import (
     checkpoint_layout,
     connect_group,
     load_weights_from_disk,
+    plan_buckets,
     receive_state_dict,
 )
 from ._sampling import sample_seed
@@ -82,6 +83,9 @@ _WEIGHTS = "weights"
 
 _HALF_DTYPES = ("bfloat16", "float16")
 
+LOAD_BUCKET_BYTES = 512 * 1024 * 1024
+"""The default bound of one ``update_weights_from_tensor`` load of a refit (bytes)."""
+
 
 class SglangWeightUpdateError(RuntimeError):
     """sglang refused a weight update (or the session around it). The engine keeps its
@@ -107,6 +111,12 @@ def _check_sglang_result(result: object, *, call: str, engine_id: str, version: 
             "succeeds; see the sglang log of that engine's node (a name or shape the model "
             "does not have, or sglang's memory released, are the usual causes)"
         )
+
+
+def _on_gpu(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on this process's GPU (where there is one: sglang loads CUDA tensors by
+    IPC); as it is otherwise."""
+    return tensor.cuda() if torch.cuda.is_available() and not tensor.is_cuda else tensor
 
 
 def _import_sglang() -> types.ModuleType:
@@ -271,6 +281,9 @@ class SglangEngine:
             :func:`materialize_model`).
         run_seed: seeds each sample as in :class:`EmbeddedEngine`.
         engine_id: a name for logs and outputs.
+        load_bucket_bytes: a refit is handed to sglang in loads of at most this many
+            bytes (a larger tensor goes alone), one session, the cache flushed after
+            the last: the GPU holds one load at a time beside the served model.
         engine_kwargs: extra ``sglang.Engine`` server arguments (e.g.
             ``mem_fraction_static``, ``enable_deterministic_inference``). Defaults set
             here: ``skip_tokenizer_init=True`` (token ids in and out),
@@ -320,9 +333,20 @@ class SglangEngine:
         engine_id: str = "sglang",
         weight_version: int = 0,
         released: bool = False,
+        load_bucket_bytes: int = LOAD_BUCKET_BYTES,
         **engine_kwargs: object,
     ) -> None:
         sgl = _import_sglang()
+        if (
+            isinstance(load_bucket_bytes, bool)
+            or not isinstance(load_bucket_bytes, int)
+            or (load_bucket_bytes < 1)
+        ):
+            raise ValueError(
+                f"SglangEngine: load_bucket_bytes={load_bucket_bytes!r} must be a positive "
+                f"byte count (default {LOAD_BUCKET_BYTES})"
+            )
+        self._load_bytes = load_bucket_bytes
         if (model_path is None) == (model is None):
             raise ValueError("SglangEngine: give exactly one of model_path and model")
         kwargs: dict[str, object] = {
@@ -610,17 +634,31 @@ class SglangEngine:
         return self._thread.submit(fn, *args, **kwargs).result()
 
     def _apply(self, version: int, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Hand ``tensors`` to sglang (``update_weights_from_tensor``): CUDA tensors go by
-        CUDA IPC; CPU ones (a gloo refit) are moved to this process's GPU first."""
+        """Hand ``tensors`` to sglang (``update_weights_from_tensor``, CUDA IPC to its
+        scheduler) in loads of at most ``load_bucket_bytes``, inside one weight-update
+        session: each load's host tensors are moved to this process's GPU just before
+        it, so the GPU holds one load beside the model sglang serves (a whole policy
+        there at once would not fit beside sglang's static memory). sglang's cache is
+        flushed once, after the last load; the first refused load ends the update."""
         self._check_layout(version, {n: t.shape for n, t in tensors.items()})
-        if torch.cuda.is_available():
-            tensors = {k: v.cuda() if not v.is_cuda else v for k, v in tensors.items()}
-        named = list(tensors.items())
-        return self._update_weights(
-            version,
-            "update_weights_from_tensor",
-            lambda: self.engine.update_weights_from_tensor(named_tensors=named),
-        )
+        names = list(tensors)
+        sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+        loads = [[names[i] for i in b] for b in plan_buckets(sizes, bucket_bytes=self._load_bytes)]
+
+        def load() -> object:
+            result: object = None
+            for i, load_names in enumerate(loads):
+                named = [(n, _on_gpu(tensors[n])) for n in load_names]
+                result = self.engine.update_weights_from_tensor(
+                    named_tensors=named, flush_cache=i == len(loads) - 1
+                )
+                _check_sglang_result(
+                    result, call="update_weights_from_tensor", engine_id=self.engine_id,
+                    version=version,
+                )  # fmt: skip
+            return result
+
+        return self._update_weights(version, "update_weights_from_tensor", load)
 
     def _check_layout(self, version: int, shapes: Mapping[str, Sequence[int]]) -> None:
         """Refuse a refit that does not fit the checkpoint sglang loaded, before sglang
@@ -719,7 +757,9 @@ class SglangEngine:
         )
 
     def receive_weights(self, *, group_name: str) -> int:
-        version, tensors = receive_state_dict(group=self._groups[group_name])
+        # to the host bucket by bucket (an NCCL group receives on this engine's GPU):
+        # _apply moves them back one load at a time
+        version, tensors = receive_state_dict(group=self._groups[group_name], device="cpu")
         return self._apply(version, tensors)
 
     def update_weights_from_disk(self, path: str, *, version: int) -> int:
