@@ -192,6 +192,24 @@ def test_allocation_region_refuses_a_sleeping_part(saver: tuple[_StandIn, _Devic
         pass
 
 
+def test_the_backends_own_region_refuses_a_sleeping_part(saver: tuple[_StandIn, _Device]) -> None:
+    """``backend.region`` is public (allocating before the manager exists): while the
+    part sleeps it refuses too, before the library hands out paused memory."""
+    tms, _ = saver
+    manager, _, _ = _manager("tms-own-region")
+    backend = manager.backend
+    manager.sleep()
+    before = list(tms.calls)
+    refused = pytest.raises(RuntimeError, match=r"tms-own-region/optimizer is asleep")
+    with refused, backend.region(Part.OPTIMIZER):
+        pass
+    assert tms.calls == before  # the library was not asked
+    manager.wake_up()
+    with backend.region(Part.OPTIMIZER):
+        pass
+    assert tms.calls[-1] == ("region", "tms-own-region/optimizer")
+
+
 def test_a_second_backend_cannot_change_the_hook_mode_before_first_use(
     saver: tuple[_StandIn, _Device],
 ) -> None:
@@ -258,6 +276,19 @@ def test_torch_hook_mode_exits_cleanly_and_host_copies_are_retained(
     assert library.interesting == []  # nothing changes until the exit
     hooks[0]()
     assert library.interesting == [True]
+
+
+def test_retention_is_not_asked_for_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_memory_saver 0.0.10 ends the process when retention is turned on in a ROCm
+    build ("CUDA-only"), though the setting exists there too."""
+    tms = _RetainingStandIn()
+    monkeypatch.setitem(
+        sys.modules, "torch_memory_saver", types.SimpleNamespace(torch_memory_saver=tms)
+    )
+    monkeypatch.setattr(_backends.atexit, "register", lambda _hook: None)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    backend = TorchMemorySaverBackend(torch.device("cuda", 0), name="rocm")
+    assert not backend.retain_host_copies and tms.retained == []
 
 
 def test_a_library_without_retention_is_used_as_it_is(

@@ -715,7 +715,11 @@ def _accept_pool_frees_at_exit(tms: Any) -> None:
 
 def _retain_cpu_backups(tms: Any) -> bool:
     """Turn on the library's retention of pinned CPU backups across resumes (process
-    wide); False where this torch_memory_saver has no such setting."""
+    wide); False where this torch_memory_saver has no such setting, and on ROCm, where
+    the setting exists but the library ends the process when it is turned on
+    (0.0.10: "retained CPU backup policy is CUDA-only")."""
+    if getattr(torch.version, "hip", None):
+        return False
     if not isinstance(getattr(type(tms), "retain_cpu_backup", None), property):
         return False
     tms.retain_cpu_backup = True
@@ -885,7 +889,14 @@ class TorchMemorySaverBackend:
 
     @contextlib.contextmanager
     def region(self, part: Part) -> Iterator[None]:
-        """Allocate inside ``part``'s pausable region (this thread's allocations only)."""
+        """Allocate inside ``part``'s pausable region (this thread's allocations only).
+        Refused while ``part`` sleeps: the library would hand out a block of the paused
+        (unmapped) pool, or make an allocation its next ``resume`` refuses by ending
+        the process."""
+        if part in self._paused:
+            raise RuntimeError(
+                f"{self.tag(part)} is asleep: wake it up (reload) before allocating in its region"
+            )
         with (
             torch.cuda.device(self.device),
             self._tms.region(tag=self.tag(part), enable_cpu_backup=part in self.cpu_backup_parts),
