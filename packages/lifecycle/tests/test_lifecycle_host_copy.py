@@ -275,6 +275,25 @@ def test_host_copies_freed_at_wake_up_or_cached(spill: bool, spill_to: SpillTo) 
     assert_bit_exact(before, snapshot(model, opt))
 
 
+def test_a_replaced_storage_leaves_no_cached_host_buffer_behind() -> None:
+    """Cached host buffers are keyed by storage: a storage replaced between two sleeps
+    (an optimizer state loaded, gradients set to None and made again) would otherwise
+    keep its old buffer for good, and a new one would be made for its successor."""
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"), spill=False, cache_host_buffers=True)
+    manager = OffloadManager(model, opt, backend=backend)
+    total = manager.device_bytes()
+    manager.sleep()
+    manager.wake_up()
+    assert backend.host_bytes() == total
+    for state in opt.state.values():  # new storages, same sizes
+        state["exp_avg"] = state["exp_avg"].clone()
+    manager.sleep()
+    assert backend.host_bytes() == total  # the replaced ones' buffers were dropped
+    manager.wake_up()
+    assert backend.host_bytes() == total
+
+
 def test_cpu_default_spills_and_frees_the_copy_at_wake_up() -> None:
     backend = HostCopyBackend(torch.device("cpu"))
     assert backend.spill and not backend.cache_host_buffers and backend.spill_to == "auto"

@@ -522,6 +522,7 @@ class HostCopyBackend:
         self.spill_files = spill_files or min(8, torch.get_num_threads())
         self._saved: dict[Part, list[_Saved]] = {}
         self._cache: dict[int, torch.Tensor] = {}
+        self._cache_keys: dict[Part, set[int]] = {}  # the cached buffers' storages, per part
         self._spills: dict[Part, _Spill | _ProcessSpill] = {}
 
     def _host_buffer(self, key: int, nbytes: int) -> torch.Tensor:
@@ -583,6 +584,14 @@ class HostCopyBackend:
             self._spill_of(part).write([g.storage for g in groups])
             saved = [_Saved(g.key, g.storage, g.nbytes, None) for g in groups]
         else:
+            if self.cache_host_buffers:  # a storage replaced since (set_to_none, a state
+                live = {g.key for g in groups}  # load) leaves its buffer behind: drop it
+                for gone in self._cache_keys.get(part, set()) - live:
+                    self._cache.pop(gone, None)
+                self._cache_keys[part] = live
+            # the copies run on the current stream: what another stream still writes
+            # (an unwaited collective, a side stream) must land first
+            _synchronize(self.device)
             for group in groups:
                 storage, key, nbytes = group.storage, group.key, group.nbytes
                 host = self._host_buffer(key, nbytes)
