@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -191,6 +192,7 @@ class _FakeSglEngine:
         self.calls: list[tuple[str, int]] = [("__init__", threading.get_ident())]
         self.updates: list[dict[str, torch.Tensor]] = []
         self.flushes: list[bool] = []  # flush_cache of each tensor update
+        self.busy_polls = 0  # flush_cache fails this many more times (not idle yet)
         self.weights: dict[str, torch.Tensor] | None = {}
         self.offloaded: set[str] = set()
         self.session = False
@@ -203,6 +205,14 @@ class _FakeSglEngine:
 
     def _mark(self, name: str) -> None:
         self.calls.append((name, threading.get_ident()))
+
+    def flush_cache(self) -> SimpleNamespace:
+        """0.5.23: succeeds only when the scheduler is fully idle."""
+        self._mark("flush_cache")
+        if self.busy_polls > 0:
+            self.busy_polls -= 1
+            return SimpleNamespace(success=False, message="")
+        return SimpleNamespace(success=True, message="")
 
     def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
         self._mark("begin_weight_update")
@@ -550,6 +560,46 @@ def test_a_refit_reaches_sglang_in_bounded_loads_in_one_session(fake_sglang: Non
         engine.generate([_request(0)])
     with pytest.raises(ValueError, match="load_bucket_bytes=0"):
         SglangEngine(model_path="/m", run_seed=0, load_bucket_bytes=0)
+    engine.shutdown()
+
+
+def test_release_and_update_wait_until_sglang_is_idle(
+    fake_sglang: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sglang 0.5.23 asserts an idle scheduler in release_memory_occupation (a failure
+    ends the engine) and fails an update whose cache flush found it busy; the last
+    output can arrive before the scheduler drops its batch. Both wait (flush_cache
+    succeeds only when idle), and give up with an error, touching nothing, after
+    IDLE_WAIT_S."""
+    from ppo_driver.rollout import SglangEngine, _sglang
+
+    engine = SglangEngine(model_path="/m", run_seed=0)
+    fake = engine.engine
+
+    def calls_of(action: Callable[[], object]) -> list[str]:
+        before = len(fake.calls)
+        action()
+        return [name for name, _ in fake.calls[before:]]
+
+    fake.busy_polls = 3
+    assert calls_of(lambda: engine._apply(1, _weights(1.0))) == [
+        *["flush_cache"] * 4, "begin_weight_update", "update_weights_from_tensor",
+        "end_weight_update",
+    ]  # fmt: skip
+    fake.busy_polls = 2
+    assert calls_of(engine.release_memory) == [*["flush_cache"] * 3, "release"]
+    # released: idle since the release (nothing generates), so no wait
+    assert "flush_cache" not in calls_of(lambda: engine._apply(2, _weights(2.0)))
+    engine.resume_memory()
+
+    monkeypatch.setattr(_sglang, "IDLE_WAIT_S", 0.05)
+    fake.busy_polls = 10**6
+    with pytest.raises(RuntimeError, match="not idle within 0 s before releasing its memory"):
+        engine.release_memory()
+    assert not fake.offloaded and not engine.health().memory_released
+    with pytest.raises(RuntimeError, match=r"not idle .* before loading weight version 3"):
+        engine._apply(3, _weights(3.0))
+    assert engine.weight_version == 2 and not fake.session
     engine.shutdown()
 
 

@@ -37,6 +37,7 @@ import asyncio
 import logging
 import tempfile
 import threading
+import time
 import types
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -82,6 +83,10 @@ _WEIGHTS = "weights"
 ``kv_cache`` and ``cuda_graph``. ``release_memory_occupation(tags=None)`` releases all."""
 
 _HALF_DTYPES = ("bfloat16", "float16")
+
+IDLE_WAIT_S = 60.0
+"""How long a memory release or a weight update waits for sglang's scheduler to go
+idle (its ``flush_cache`` succeeds only then) before it fails instead."""
 
 LOAD_BUCKET_BYTES = 512 * 1024 * 1024
 """The default bound of one ``update_weights_from_tensor`` load of a refit (bytes)."""
@@ -575,6 +580,7 @@ class SglangEngine:
             if self._released:
                 _log.info("engine %s: already released", self.engine_id)
                 return
+            self._call(self._wait_idle, "releasing its memory")
             self._call(self.engine.release_memory_occupation)
             self._released = self._weights_released = True
 
@@ -592,6 +598,28 @@ class SglangEngine:
                 rest = [t for t in self._memory_tags() if t != _WEIGHTS]
                 self._call(self.engine.resume_memory_occupation, tags=rest)
             self._released = False
+
+    def _wait_idle(self, what: str) -> None:
+        """On the sglang thread: return once sglang's scheduler is fully idle. sglang
+        0.5.23 asserts it in ``release_memory_occupation`` (a failed assertion ends its
+        scheduler, and with it the engine) and, after a weight update, reports the
+        update failed when it could not flush its cache; the last request's output can
+        reach this process while the scheduler still holds its batch (overlap
+        scheduling). ``flush_cache`` succeeds only when idle (the cache it drops is
+        dropped by the release or the update anyway), so it is retried for up to
+        :data:`IDLE_WAIT_S`. An sglang without it is not waited for."""
+        flush = getattr(self.engine, "flush_cache", None)
+        if flush is None:
+            return
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while getattr(flush(), "success", True) is False:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engine {self.engine_id}: sglang's scheduler was not idle within "
+                    f"{IDLE_WAIT_S:.0f} s before {what} (its flush_cache kept failing: "
+                    "requests still queued or running; see the sglang log)"
+                )
+            time.sleep(0.005)
 
     def _memory_tags(self) -> list[str]:
         try:
@@ -687,6 +715,8 @@ class SglangEngine:
         ``version`` only if sglang reports success."""
 
         def run() -> None:
+            if not self._released:  # (released: idle since the release, nothing runs)
+                self._wait_idle(f"loading weight version {version}")
             begin = getattr(self.engine, "begin_weight_update", None) if session else None
             if begin is not None:
                 _check_sglang_result(
