@@ -227,9 +227,15 @@ def test_critic_rejections_name_the_critic_key() -> None:
         get_backend("megatron")(config=config, rank=0, world_size=1, dist_init_method=None)
 
 
-def test_mxfp8_without_distributed_optimizer_passes_option_checks() -> None:
-    opts = mg.parse_options({"fp8_param": True, "fp8_recipe": "mxfp8"}, role="policy")
-    assert opts.fp8_param and not opts.use_distributed_optimizer
+def test_fp8_parameters_are_refused_whatever_the_optimizer() -> None:
+    """Not supported yet (TE's FP8 matmuls need token counts in multiples of 8, FP8
+    weights do not sleep, the export would ship TE's quantized tensors): refused with
+    the distributed optimizer or without, where MXFP8 with it is refused for the
+    streaming document's reason as well."""
+    for optimizer in ({}, {"use_distributed_optimizer": True}):
+        options = {"fp8_param": True, "fp8_recipe": "tensorwise", "optimizer": optimizer}
+        with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.fp8_param.*not supported"):
+            mg.parse_options(options, role="policy")
 
 
 # --- the real GPTModel vs transformers ----------------------------------------------------------
