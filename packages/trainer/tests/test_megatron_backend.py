@@ -11,6 +11,7 @@ the two backends) within the gradient bound; weights after one Adam step within
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -694,6 +695,56 @@ def test_checkpoint_restores_param_groups_and_the_loss_scaler(
     assert float(fresh._policy.optimizer.get_loss_scale()) == 2.0**16
     for name, value in actor.export_weights().items():
         assert torch.equal(fresh.export_weights()[name], value), name
+
+
+class _GroupStepAdam(torch.optim.Optimizer):
+    """Adam's counter kept as Transformer Engine's (and apex's) FusedAdam keeps it: one
+    ``step`` per param group, none per parameter (the update itself is left out)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 1e-3})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                state = self.state[p]
+                assert "step" not in state, "a per-parameter counter in a fused optimizer"
+                state.setdefault("exp_avg", torch.zeros_like(p))
+
+
+def test_adams_step_counter_carries_between_torch_and_fused_optimizers() -> None:
+    """megatron-core builds TE's FusedAdam where it imports (step per param group) and
+    torch's AdamW otherwise (step per parameter): a checkpoint of one, restored into the
+    other, keeps counting from its step, and torch's counter stays on the host."""
+    from ppo_trainer.megatron._checkpoint import load_optimizer_state, optimizer_state
+
+    def chained(inner: torch.optim.Optimizer) -> Any:
+        return SimpleNamespace(optimizer=inner, grad_scaler=None)
+
+    def params() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+
+    adamw = torch.optim.AdamW(params())
+    for _ in range(3):
+        for p in adamw.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        adamw.step()
+    fused = _GroupStepAdam(params())
+    fused.step()  # its own state exists: the restore replaces it
+    load_optimizer_state([chained(fused)], optimizer_state([chained(adamw)]))
+    assert [g["step"] for g in fused.param_groups] == [3]
+    fused.step()  # no per-parameter counter left (asserted inside)
+    assert fused.param_groups[0]["step"] == 4
+
+    back = torch.optim.AdamW(params())
+    load_optimizer_state([chained(back)], optimizer_state([chained(fused)]))
+    for p in back.param_groups[0]["params"]:
+        assert back.state[p]["step"].device.type == "cpu"
+        assert float(back.state[p]["step"]) == 4.0
+        p.grad = torch.ones_like(p)
+    back.step()  # a missing counter raised KeyError: 'step' here
+    assert all(float(s["step"]) == 5.0 for s in back.state.values())
 
 
 # --- sleep: the fp32 main parameters -----------------------------------------------------------
