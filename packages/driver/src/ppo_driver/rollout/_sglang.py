@@ -342,11 +342,7 @@ class SglangEngine:
         **engine_kwargs: object,
     ) -> None:
         sgl = _import_sglang()
-        if (
-            isinstance(load_bucket_bytes, bool)
-            or not isinstance(load_bucket_bytes, int)
-            or (load_bucket_bytes < 1)
-        ):
+        if type(load_bucket_bytes) is not int or load_bucket_bytes < 1:
             raise ValueError(
                 f"SglangEngine: load_bucket_bytes={load_bucket_bytes!r} must be a positive "
                 f"byte count (default {LOAD_BUCKET_BYTES})"
@@ -680,10 +676,13 @@ class SglangEngine:
                 result = self.engine.update_weights_from_tensor(
                     named_tensors=named, flush_cache=i == len(loads) - 1
                 )
+                del named  # this load's GPU copies: sglang has its own now
                 _check_sglang_result(
                     result, call="update_weights_from_tensor", engine_id=self.engine_id,
                     version=version,
                 )  # fmt: skip
+            if torch.cuda.is_available():  # the copies' blocks, cached in this process
+                torch.cuda.empty_cache()
             return result
 
         return self._update_weights(version, "update_weights_from_tensor", load)
