@@ -113,8 +113,9 @@ def _load_chained(chained: Any, saved: Mapping[str, Any]) -> None:
 def _state_value(key: str, value: Any, p: torch.Tensor, group: Mapping[str, Any]) -> Any:
     """A saved per-parameter entry on the device it belongs on: torch's Adam keeps its
     ``step`` counter on the host unless the group is ``capturable`` or ``fused`` (as
-    ``torch.optim.Optimizer.load_state_dict`` places it; a CUDA step tensor makes a
-    non-capturable step raise), everything else next to its parameter."""
+    ``torch.optim.Optimizer.load_state_dict`` places it; a non-capturable step reads a
+    device counter back with a synchronisation per parameter), everything else next to
+    its parameter."""
     if not isinstance(value, torch.Tensor):
         return value
     if key == "step" and not (group.get("capturable") or group.get("fused")):
