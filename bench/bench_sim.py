@@ -9,7 +9,9 @@ OTHER settings. Reported per profile and pair: measured and predicted seconds pe
 the error ``|predicted - measured| / measured``, and whether the fit predicts which of
 streaming and full batch is faster. The first step of every run (start-up) is neither
 fitted nor measured; the ``separate`` profile resumes from a checkpoint of 6 full-batch
-learning steps, as in ``bench_driver``.
+learning steps, as in ``bench_driver``. A speed probe (one fixed single-thread workload)
+runs before each run and after the last; its spread around a profile's runs is printed
+with that profile's errors: on a shared host identical work varies by that much.
 
     uv run --frozen python bench/bench_sim.py [--profiles separate,tiny] [--steps 5]
         [--keep DIR]            # keep the run directories there
@@ -48,6 +50,40 @@ tie: the same schedule, where which run measures faster is the runs' spread (2-1
 
 PER_SAMPLE = False
 """``--per-sample``: fit every sample alike, ignoring the recorded chunk widths."""
+
+PROBES: dict[str, list[float]] = {}
+"""Per profile: the seconds of :func:`_probe` before each of its runs and after the last."""
+
+
+def _probe() -> float:
+    """The machine's speed now: the median seconds of three passes of one fixed
+    single-thread workload (the built-in task's policy, forward + backward + Adam step of
+    256 rows of 20 tokens, four times). This 2-core VM runs the same work 20-50 % slower
+    in some half-minutes than in others (its host is shared), so a calibration error
+    under the probes' spread says nothing about the simulator."""
+    import torch
+    from ppo_trainer import ModelSpec, build_causal_lm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = ModelSpec(vocab_size=24, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         seed=0)  # fmt: skip
+        model = build_causal_lm(spec)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 24, (256, 20), generator=torch.Generator().manual_seed(0))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(4):
+                model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _predict(run: Path, *, skip: int, minimum: int, steps: int) -> float:
@@ -118,7 +154,9 @@ def main() -> None:
                     streamed_micro_batches=False,
                 )
                 warm = root / "warm" / "full-batch"
+            PROBES[profile] = []
             for _label, low in order:
+                PROBES[profile].append(_probe())
                 mode = "full-batch" if low is None else f"min{low}"
                 extra = [] if low is None else [f"async_rl.min_groups_for_streaming_train={low}"]
                 # the simulator's full batch: one micro-batch padded to the step's longest
@@ -131,6 +169,7 @@ def main() -> None:
                     streamed_micro_batches=False,
                 )
                 load.append(os.getloadavg()[0])
+            PROBES[profile].append(_probe())
         results, measured_all = _fit_and_predict(Path(tmp), profiles, args.steps)
     shutdown_local_ray()
     _report(results, measured_all, load, time.perf_counter() - t0)
@@ -220,7 +259,14 @@ def _report(
         )
     print()
     for profile, errs in errors.items():
-        print(f"{profile:<18} mean error {statistics.fmean(errs):.1%}, max {max(errs):.1%}")
+        probes = PROBES.get(profile, [])
+        speed = (
+            f"; the machine's speed probe {min(probes):.3f}-{max(probes):.3f} s around its "
+            f"runs (spread {max(probes) / min(probes) - 1:.0%})"
+            if probes
+            else ""
+        )
+        print(f"{profile:<18} mean error {statistics.fmean(errs):.1%}, max {max(errs):.1%}" + speed)
     marks = [f for *_, f in results if f != "-"]
     print(
         f"faster mode predicted right in {marks.count('yes')} of "
