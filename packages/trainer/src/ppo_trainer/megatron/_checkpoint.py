@@ -106,24 +106,29 @@ def _load_chained(chained: Any, saved: Mapping[str, Any]) -> None:
     group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
     for key, values in saved["state"].items():
         p = params[int(key)]
-        inner.state[p] = {k: _state_value(k, v, p, group_of[id(p)]) for k, v in values.items()}
-    _carry_step(inner, saved)
+        step_device = _step_device(p, group_of[id(p)])
+        inner.state[p] = {
+            k: (
+                v.to(step_device if k == "step" else p.device) if isinstance(v, torch.Tensor) else v
+            )
+            for k, v in values.items()
+        }
+    _carry_step(inner, saved, group_of)
 
 
-def _state_value(key: str, value: Any, p: torch.Tensor, group: Mapping[str, Any]) -> Any:
-    """A saved per-parameter entry on the device it belongs on: torch's Adam keeps its
-    ``step`` counter on the host unless the group is ``capturable`` or ``fused`` (as
-    ``torch.optim.Optimizer.load_state_dict`` places it; a non-capturable step reads a
-    device counter back with a synchronisation per parameter), everything else next to
-    its parameter."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if key == "step" and not (group.get("capturable") or group.get("fused")):
-        return value.to("cpu")
-    return value.to(p.device)
+def _step_device(p: torch.Tensor, group: Mapping[str, Any]) -> torch.device:
+    """Where torch's Adam keeps a parameter's ``step`` counter: on the host unless the
+    group is ``capturable`` or ``fused`` (as ``torch.optim.Optimizer.load_state_dict``
+    places it; a non-capturable step reads a device counter back with a synchronisation
+    per parameter)."""
+    return p.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
 
 
-def _carry_step(inner: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+def _carry_step(
+    inner: torch.optim.Optimizer,
+    saved: Mapping[str, Any],
+    group_of: Mapping[int, Mapping[str, Any]],
+) -> None:
     """Adam's step counter in the form the restored optimizer keeps it. megatron-core
     builds Transformer Engine's (or apex's) FusedAdam where it imports, torch's AdamW
     otherwise: the fused ones count steps per param group, torch's per parameter. A
@@ -131,19 +136,18 @@ def _carry_step(inner: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
     with Transformer Engine and one without) would restart the bias correction at step
     1 (fused reading torch's) or fail at the first step for want of the per-parameter
     counter (torch reading the fused one's)."""
-    steps = [float(g["step"]) for g in saved.get("param_groups") or () if "step" in g]
-    steps += [float(v["step"]) for v in saved["state"].values() if "step" in v]
+    group_steps = [float(g["step"]) for g in saved.get("param_groups") or () if "step" in g]
+    steps = group_steps + [float(v["step"]) for v in saved["state"].values() if "step" in v]
     if not steps:
         return
     step = max(steps)
     if type(inner).__module__.startswith("torch.optim"):  # per parameter
         for p, state in inner.state.items():
             if state and "step" not in state:
-                group = next(g for g in inner.param_groups if any(q is p for q in g["params"]))
-                device = p.device if group.get("capturable") or group.get("fused") else "cpu"
+                device = _step_device(p, group_of[id(p)])
                 state["step"] = torch.tensor(step, dtype=torch.float32, device=device)
     else:  # per param group (restored above when the checkpoint had it so)
-        if not any("step" in g for g in saved.get("param_groups") or ()):
+        if not group_steps:
             for group in inner.param_groups:
                 group["step"] = int(step)
         for state in inner.state.values():
