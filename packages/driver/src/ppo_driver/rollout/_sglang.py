@@ -669,8 +669,7 @@ class SglangEngine:
         sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
         loads = [[names[i] for i in b] for b in plan_buckets(sizes, bucket_bytes=self._load_bytes)]
 
-        def load() -> object:
-            result: object = None
+        def load() -> None:  # each load's result checked here (the first refusal stops)
             for i, load_names in enumerate(loads):
                 named = [(n, _on_gpu(tensors[n])) for n in load_names]
                 result = self.engine.update_weights_from_tensor(
@@ -683,7 +682,6 @@ class SglangEngine:
                 )  # fmt: skip
             if torch.cuda.is_available():  # the copies' blocks, cached in this process
                 torch.cuda.empty_cache()
-            return result
 
         return self._update_weights(version, "update_weights_from_tensor", load)
 
