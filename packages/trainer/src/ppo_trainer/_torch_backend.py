@@ -185,7 +185,7 @@ def save_hf_checkpoint(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(spec.path) if spec.path is not None else _hf_config(spec)
-    config.torch_dtype = spec.dtype
+    config.dtype = spec.dtype
     if role == "critic":
         config.num_labels = 1
         config.classifier_dropout = 0.0
