@@ -19,7 +19,7 @@ import ray
 from ppo_driver._faults import _from_ray, _name_the_worker, describe_fault
 from ppo_driver.pair import TrainPair
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import WORKER_ENV, TrainGroup, WorkerLost, env_options
+from ppo_driver.workers import TrainGroup, WorkerLost
 from ppo_lifecycle import ResidencyPlanner, Role
 
 
@@ -181,15 +181,3 @@ def test_the_refit_names_a_dead_actor_rank_and_runs_once_the_actor_is_resident()
     with pytest.raises(ray.exceptions.RayActorError) as info:
         pair.refit(0, engine_dies)
     assert info.value is engine
-
-
-def test_ranks_get_their_environment_without_a_runtime_env_only_where_the_cluster_has_it() -> None:
-    # A cluster the driver started has WORKER_ENV in every process: the ranks need no
-    # runtime_env (with one, Ray starts a fresh process and the prestarted ones idle).
-    assert env_options(WORKER_ENV) == {}
-    assert env_options({**WORKER_ENV, "OTHER": "x"}) == {}
-    # A joined cluster, or one started without it (or with a value changed): runtime_env.
-    wanted = {"runtime_env": {"env_vars": WORKER_ENV}}
-    assert env_options({}) == wanted
-    assert env_options({**WORKER_ENV, "OMP_NUM_THREADS": "4"}) == wanted
-    assert WORKER_ENV["THP_MEM_ALLOC_ENABLE"] == "1"

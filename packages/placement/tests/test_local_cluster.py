@@ -4,10 +4,7 @@ start_local_ray's promises, then SharedPlacement on one node."""
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,16 +20,11 @@ from ray.util import placement_group_table
 
 Where = Callable[..., list[dict[str, Any]]]
 
-#: start_local_ray's worker_env here: a value no other cluster's processes have.
-ENV_KEY, ENV_VALUE = "PPO_PLACEMENT_TEST_ENV", uuid.uuid4().hex
-
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[LocalRay]:
     shutdown_local_ray()
-    info = start_local_ray(
-        num_cpus=4, num_gpus=4, log_to_driver=False, worker_env={ENV_KEY: ENV_VALUE}
-    )
+    info = start_local_ray(num_cpus=4, num_gpus=4, log_to_driver=False)
     try:
         yield info
     finally:
@@ -64,47 +56,10 @@ def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> Non
 
 
 def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
-    again = start_local_ray(num_gpus=1, worker_env={ENV_KEY: "ignored"})
+    again = start_local_ray(num_gpus=1)
     assert not again.started and again.attempts == 0
     assert again.address == local_ray.address
     assert again.session_dir == local_ray.session_dir
-    assert again.worker_env == {ENV_KEY: ENV_VALUE}  # what the cluster's processes have
-
-
-def _idle_workers_with_env() -> set[int]:
-    """Pids of this cluster's idle Ray workers (``ray::IDLE``, ``ENV_VALUE`` in their
-    environment)."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        try:
-            idle = (proc / "cmdline").read_bytes().startswith(b"ray::IDLE")
-            env = (proc / "environ").read_bytes().split(b"\0") if idle else []
-        except OSError:  # gone, or not ours
-            continue
-        if f"{ENV_KEY}={ENV_VALUE}".encode() in env:
-            found.add(int(proc.name))
-    return found
-
-
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
-def test_worker_env_reaches_every_worker_and_actors_take_idle_ones(local_ray: LocalRay) -> None:
-    assert local_ray.worker_env == {ENV_KEY: ENV_VALUE}
-    assert ENV_KEY not in os.environ  # set only while Ray started
-    deadline = time.monotonic() + 120
-    while not (idle := _idle_workers_with_env()) and time.monotonic() < deadline:
-        time.sleep(0.5)  # Ray prestarts num_cpus workers (and keeps that many idle)
-    assert idle, "no idle Ray worker started with worker_env"
-
-    @ray.remote(num_cpus=0)
-    class Probe:
-        def where(self) -> tuple[int, str | None]:
-            return os.getpid(), os.environ.get(ENV_KEY)
-
-    pid, value = ray.get(Probe.remote().where.remote(), timeout=120)  # type: ignore[attr-defined]
-    assert value == ENV_VALUE
-    # No runtime_env of its own: the actor took a worker that was already up and idle
-    # (with a runtime_env Ray would have started a fresh process for it).
-    assert pid in idle
 
 
 def test_reuse_refuses_a_cluster_with_too_few_gpus(local_ray: LocalRay) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import ray
 from ppo_placement import (
@@ -22,7 +22,6 @@ from ppo_driver.config import (
     local_num_cpus,
 )
 from ppo_driver.startup import StartupError
-from ppo_driver.workers import WORKER_ENV
 
 log = logging.getLogger("ppo_driver")
 
@@ -33,26 +32,21 @@ def _connect_cluster(
     *,
     keep_ray: bool,
     on_exit: Callable[[str, Callable[[], object]], None],
-) -> Mapping[str, str]:
+) -> None:
     """``cluster.address`` null: start a local Ray cluster with the layout's (logical)
-    GPUs, its processes started with the training ranks' environment (``WORKER_ENV``),
-    shut down at the end. Else join the existing cluster there; at the end the driver
-    only disconnects (``ray.shutdown()`` in a joined driver stops nothing of the
-    cluster): it never tears down a cluster it did not start.
-
-    Returns the environment every process of the cluster has (``LocalRay.worker_env``;
-    empty for a joined cluster or one this process's Ray was already on)."""
+    GPUs, shut down at the end. Else join the existing cluster there; at the end the
+    driver only disconnects (``ray.shutdown()`` in a joined driver stops nothing of the
+    cluster): it never tears down a cluster it did not start."""
     started_here = not ray.is_initialized()
     address = cfg.cluster.address
     if address is None:
         if started_here and not keep_ray:
             on_exit("ray.shutdown", ray.shutdown)
-        local = start_local_ray(
+        start_local_ray(
             num_gpus=layout.num_gpus if cfg.cluster.logical_gpus else cuda_device_count(),
             num_cpus=local_num_cpus(cfg, layout),
-            worker_env=WORKER_ENV,
         )
-        return local.worker_env
+        return
     try:
         joined = join_ray(address)
     except (ValueError, RayJoinError) as exc:
@@ -79,7 +73,6 @@ def _connect_cluster(
         gpus,
         cpus,
     )
-    return {}
 
 
 def _where(placement: SharedPlacement) -> str:

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,7 +332,7 @@ def _build(
     if workload is None:  # before Ray: data, tokenizer and reward errors stop here
         workload = load_workload(cfg)
     layout = cluster_layout(cfg)
-    cluster_env = _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
+    _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
     log.info("start-up: Ray up after %.1f s", time.perf_counter() - t0)
 
     actor_cfg, critic_cfg = trainer_configs(cfg, vocab_size=workload.tokenizer.vocab_size)
@@ -343,7 +343,7 @@ def _build(
     on_exit("placement teardown", placement.teardown)
     trace = TraceRecorder(origin=t0)
     pair = _train_pair(cfg, placement, actor_cfg, critic_cfg, run_dir=run_dir, trace=trace,
-                       cluster_env=cluster_env, on_exit=on_exit)  # fmt: skip
+                       on_exit=on_exit)  # fmt: skip
     log.info("start-up: placement: %s", _where(placement))
     engines = _launch_engines(cfg, actor_cfg.model, list(placement.rollout_view()), on_exit=on_exit)
     sender, peers = pair.refit_source()
@@ -383,16 +383,17 @@ def _train_pair(
     *,
     run_dir: Path,
     trace: TraceRecorder,
-    cluster_env: Mapping[str, str],
     on_exit: OnExit,
 ) -> TrainPair:
     """One worker process per rank of each model (the models are built by ``start``)."""
     log_file = (str((run_dir / "train.log").resolve()), cfg.run.log_level)
-    actor = TrainGroup("actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()),
-                       log_file=log_file, cluster_env=cluster_env)  # fmt: skip
+    actor = TrainGroup(
+        "actor", ActorWorker, actor_cfg, slots=list(placement.actor_view()), log_file=log_file
+    )
     on_exit("actor workers", actor.kill)
-    critic = TrainGroup("critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()),
-                        log_file=log_file, cluster_env=cluster_env)  # fmt: skip
+    critic = TrainGroup(
+        "critic", CriticWorker, critic_cfg, slots=list(placement.critic_view()), log_file=log_file
+    )
     on_exit("critic workers", critic.kill)
     return TrainPair(actor, critic, trace=trace)
 

@@ -40,7 +40,6 @@ from torch import Tensor
 __all__ = [
     "NOW",
     "PROJECT_LOGGERS",
-    "WORKER_ENV",
     "CallOptions",
     "GroupResult",
     "Pending",
@@ -49,17 +48,12 @@ __all__ = [
     "WorkerLost",
     "block_shards",
     "data_parallel_layout",
-    "env_options",
     "free_port",
     "mini_batch_order",
     "shard_rows",
 ]
 
-#: The environment of every training rank's process. On a cluster the driver starts,
-#: every process of it is started with these (``start_local_ray(worker_env=...)``), so
-#: the ranks can take the workers Ray prestarts; elsewhere each rank gets them through a
-#: ``runtime_env`` (a process started for it).
-WORKER_ENV = {
+_WORKER_ENV = {
     # One compute thread per worker process: actor, critic and engines share few cores.
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -70,16 +64,6 @@ WORKER_ENV = {
 }
 
 Timeline = list[tuple[str, float, float]]
-
-
-def env_options(cluster_env: Mapping[str, str]) -> dict[str, Any]:
-    """The Ray actor options that give a rank :data:`WORKER_ENV` on a cluster whose
-    processes all have ``cluster_env``: none when they have it already (the rank can
-    then take a worker Ray prestarted), else a ``runtime_env`` (a process of its own)."""
-    if all(cluster_env.get(key) == value for key, value in WORKER_ENV.items()):
-        return {}
-    return {"runtime_env": {"env_vars": dict(WORKER_ENV)}}
-
 
 W = TypeVar("W", bound=ActorWorker | CriticWorker)
 """The worker class of a group: its methods are what the group's calls may name."""
@@ -431,24 +415,21 @@ class TrainGroup(Generic[W]):
         *,
         slots: Sequence[Slot],
         log_file: tuple[str, str] | None = None,
-        cluster_env: Mapping[str, str] | None = None,
     ) -> None:
         """``slots``: the role's ``ppo_placement`` view, one slot per rank (its
         ``actor_options()`` give the GPU/CPU share and the bundle). ``log_file``:
-        ``(path, level)``: the ranks' lines of :data:`PROJECT_LOGGERS` go there.
-        ``cluster_env``: the environment every process of the cluster already has
-        (``ppo_placement.LocalRay.worker_env``); the ranks get :data:`WORKER_ENV`
-        through a ``runtime_env`` unless it is all there."""
+        ``(path, level)``: the ranks' lines of :data:`PROJECT_LOGGERS` go there."""
         self.role = role
         self.worker_cls = worker_cls
         self.world_size = len(slots)
         self._rendezvous_ip = slots[0].node_ip  # the group's rendezvous: on rank 0's node
         remote_cls = ray.remote(_Host)
-        env = env_options(cluster_env or {})
         self.handles: list[Any] = [
-            remote_cls.options(**slot.actor_options(), **env, max_concurrency=1).remote(
-                worker_cls, config, rank, self.world_size, log_file
-            )
+            remote_cls.options(
+                **slot.actor_options(),
+                runtime_env={"env_vars": dict(_WORKER_ENV)},
+                max_concurrency=1,
+            ).remote(worker_cls, config, rank, self.world_size, log_file)
             for rank, slot in enumerate(slots)
         ]
         self.meshes: list[Mesh] = []

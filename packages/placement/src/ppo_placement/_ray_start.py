@@ -21,7 +21,6 @@ not stop a 40 s-slow agent from failing the start). :func:`start_local_ray` ther
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -29,7 +28,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -53,8 +52,6 @@ _AGENT_MODULES = ("ray.dashboard.agent", "ray._private.runtime_env.agent.main")
 _warmed = False
 #: The multi-node cluster started by start_local_ray(nodes > 1), if any.
 _cluster: Any = None
-#: The ``worker_env`` of the last cluster start_local_ray started, by its session name.
-_started_env: tuple[str, dict[str, str]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +65,6 @@ class LocalRay:
         started: ``False`` when Ray was already initialised and was reused as is.
         attempts: how many ``ray.init`` calls it took (0 when reused).
         startup_s: wall-clock seconds spent in this call.
-        worker_env: the environment variables every process of the cluster was started
-            with (``start_local_ray``'s ``worker_env``, by this call or by the earlier one
-            that started the cluster); empty for a cluster started elsewhere.
     """
 
     address: str
@@ -79,7 +73,6 @@ class LocalRay:
     started: bool
     attempts: int
     startup_s: float
-    worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class RayStartError(RuntimeError):
@@ -105,7 +98,6 @@ def start_local_ray(
     attempts: int = 3,
     warm_imports: bool | None = None,
     nodes: int = 1,
-    worker_env: Mapping[str, str] | None = None,
 ) -> LocalRay:
     """Start a fresh local Ray cluster bound to 127.0.0.1, or reuse the one already up.
 
@@ -133,13 +125,6 @@ def start_local_ray(
         nodes: Ray nodes to start on this machine (``ray.cluster_utils.Cluster``), each
             with ``num_cpus`` / ``num_gpus`` / ``resources``; all share 127.0.0.1 and
             logical GPU ids restart at 0 on every node. For multi-node tests.
-        worker_env: environment variables for every process of the cluster: set in this
-            process only while Ray starts (then restored), so the raylet inherits them
-            and every worker from it, the workers Ray prestarts included. An actor given
-            its variables through a ``runtime_env`` instead gets a fresh process of its
-            own while the prestarted workers idle; with ``worker_env`` it can take one of
-            them. Not applied to a cluster that is already up (see
-            ``LocalRay.worker_env``).
 
     Returns:
         A :class:`LocalRay` record (address, session directory, timing).
@@ -158,8 +143,7 @@ def start_local_ray(
         return _reuse_running(num_gpus=num_gpus, nodes=nodes, t_start=t_start)
     node_args = _node_args(num_cpus, num_gpus, resources, object_store_memory)
     _warm_if_cold(warm_imports)
-    env = dict(worker_env or {})
-    start = partial(_start_ray, nodes, node_args, log_to_driver, namespace, env)
+    start = partial(_start_ray, nodes, node_args, log_to_driver, namespace)
     return _start_with_retries(start, attempts=attempts, t_start=t_start)
 
 
@@ -199,46 +183,23 @@ def _warm_if_cold(warm_imports: bool | None) -> None:
 
 
 def _start_ray(
-    nodes: int,
-    node_args: dict[str, Any],
-    log_to_driver: bool,
-    namespace: str | None,
-    worker_env: dict[str, str],
+    nodes: int, node_args: dict[str, Any], log_to_driver: bool, namespace: str | None
 ) -> None:
-    """One attempt: ``ray.init`` of a new one-node cluster, or ``nodes`` nodes, their
-    processes started with ``worker_env``."""
-    global _started_env
+    """One attempt: ``ray.init`` of a new one-node cluster, or ``nodes`` nodes."""
     import ray
 
-    with _environment(worker_env):
-        if nodes == 1:
-            ray.init(
-                address="local",
-                **node_args,
-                log_to_driver=log_to_driver,
-                namespace=namespace,
-                _node_ip_address="127.0.0.1",
-            )
-        else:
-            _start_cluster(
-                nodes=nodes, node_args=node_args, log_to_driver=log_to_driver, namespace=namespace
-            )
-    _started_env = (ray.get_runtime_context().get_session_name(), worker_env)
-
-
-@contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` in ``os.environ`` for the block, then the variables as they were."""
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    if nodes == 1:
+        ray.init(
+            address="local",
+            **node_args,
+            log_to_driver=log_to_driver,
+            namespace=namespace,
+            _node_ip_address="127.0.0.1",
+        )
+    else:
+        _start_cluster(
+            nodes=nodes, node_args=node_args, log_to_driver=log_to_driver, namespace=namespace
+        )
 
 
 def _start_with_retries(start: Callable[[], None], *, attempts: int, t_start: float) -> LocalRay:
@@ -279,8 +240,7 @@ def _attempt(start: Callable[[], None], attempt: int) -> str | None:
 
 def shutdown_local_ray() -> None:
     """Disconnect from and stop the local Ray cluster; a no-op when Ray is not running."""
-    global _cluster, _started_env
-    _started_env = None
+    global _cluster
     if "ray" not in sys.modules and _cluster is None:
         return  # Ray never imported: nothing can be running
     import ray
@@ -344,16 +304,13 @@ def describe(*, started: bool, attempts: int, t_start: float) -> LocalRay:
     import ray.util
 
     ctx = ray.get_runtime_context()
-    session = ctx.get_session_name()
-    started_env = _started_env[1] if _started_env and _started_env[0] == session else {}
     return LocalRay(
         address=str(ctx.gcs_address),
-        session_dir=os.path.join(ctx.get_temp_dir(), session),
+        session_dir=os.path.join(ctx.get_temp_dir(), ctx.get_session_name()),
         node_ip=str(ray.util.get_node_ip_address()),  # type: ignore[no-untyped-call]
         started=started,
         attempts=attempts,
         startup_s=time.perf_counter() - t_start,
-        worker_env=dict(started_env),
     )
 
 
