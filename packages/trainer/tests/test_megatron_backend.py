@@ -162,6 +162,11 @@ def test_tensor_parallel_shards_round_trip() -> None:
     for name, full in meg.items():
         shards = [_convert.shard(name, full, rank=r, size=2) for r in range(2)]
         assert torch.equal(_convert.unshard(name, shards), full), name
+        # what the pipeline stages announce before they broadcast a gathered tensor
+        assert _convert.full_shape(name, tuple(shards[0].shape), size=2) == full.shape, name
+    # the critic's value head is replicated, the policy's output layer vocab-parallel
+    assert _convert.full_shape("output_layer.weight", (1, 16), size=2, critic=True) == (1, 16)
+    assert _convert.full_shape("output_layer.weight", (8, 16), size=2) == (16, 16)
     fc1 = meg["decoder.layers.0.mlp.linear_fc1.weight"]
     gate, up = fc1.chunk(2)
     rank1 = _convert.shard("decoder.layers.0.mlp.linear_fc1.weight", fc1, rank=1, size=2)

@@ -243,6 +243,16 @@ def shard(
     return full.chunk(size, dim)[rank].contiguous()
 
 
+def full_shape(
+    name: str, shard_shape: tuple[int, ...], *, size: int, critic: bool = False
+) -> tuple[int, ...]:
+    """The shape :func:`unshard` makes of ``size`` slices of ``shard_shape``."""
+    dim = 0 if name.endswith("mlp.linear_fc1.weight") else _split_dim(name, critic=critic)
+    if size == 1 or dim is None:
+        return shard_shape
+    return (*shard_shape[:dim], shard_shape[dim] * size, *shard_shape[dim + 1 :])
+
+
 def unshard(name: str, shards: list[torch.Tensor], *, critic: bool = False) -> torch.Tensor:
     """Inverse of :func:`shard`: the full tensor from every rank's slice, in rank order."""
     if len(shards) == 1:

@@ -155,25 +155,51 @@ class MegatronFrozenModel:
         }
 
     def _gather_full(self) -> dict[str, torch.Tensor]:
-        """Every full megatron tensor (global names), on every rank, on the CPU."""
+        """Every full megatron tensor (global names), on every rank, on the CPU.
+
+        One tensor at a time: its tensor-parallel slices are gathered on the device, and
+        with pipeline parallelism each stage broadcasts its tensors to the other stages
+        (the names, shapes and dtypes go first, as one small object per stage). No rank
+        holds more than one full tensor on the device at once, and no weights are
+        pickled (an object gather of whole stages goes through the device as one padded
+        byte tensor per stage on every rank)."""
+        params = dict(self._named_params())
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if pp == 1:
+            return {
+                name: self._full_tensor(name, p).to("cpu", copy=True) for name, p in params.items()
+            }
+        group = ps.get_pipeline_model_parallel_group()
         tp = ps.get_tensor_model_parallel_world_size()
-        tp_group = ps.get_tensor_model_parallel_group()
-        mine: dict[str, torch.Tensor] = {}
-        for name, p in self._named_params():
-            data = p.detach()
-            if tp > 1 and _convert.is_tensor_parallel(name, critic=self.layout.critic):
-                shards = [torch.empty_like(data) for _ in range(tp)]
-                dist.all_gather(shards, data.contiguous(), group=tp_group)
-                data = _convert.unshard(name, shards, critic=self.layout.critic)
-            mine[name] = data.to("cpu", copy=True)
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            return mine
-        parts: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
+        critic = self.layout.critic
+        mine = [
+            (name, _convert.full_shape(name, tuple(p.shape), size=tp, critic=critic), p.dtype)
+            for name, p in params.items()
+        ]
+        stages: list[Any] = [None] * pp
+        dist.all_gather_object(stages, mine, group=group)
+        here = ps.get_pipeline_model_parallel_rank()
         full: dict[str, torch.Tensor] = {}
-        for part in parts:
-            full.update(part)
+        for stage, layout in enumerate(stages):
+            src = dist.get_global_rank(group, stage)
+            for name, shape, dtype in layout:
+                if stage == here:
+                    t = self._full_tensor(name, params[name]).contiguous()
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(t, src=src, group=group)
+                full[name] = t.to("cpu", copy=True)
         return full
+
+    def _full_tensor(self, name: str, p: nn.Parameter) -> torch.Tensor:
+        """``p`` (this rank's slice of ``name``) whole: its tensor-parallel slices gathered."""
+        data = p.detach()
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1 and _convert.is_tensor_parallel(name, critic=self.layout.critic):
+            shards = [torch.empty_like(data) for _ in range(tp)]
+            dist.all_gather(shards, data.contiguous(), group=ps.get_tensor_model_parallel_group())
+            data = _convert.unshard(name, shards, critic=self.layout.critic)
+        return data
 
     def load_hf(self, state: Mapping[str, torch.Tensor]) -> None:
         full = _convert.hf_to_megatron(state, self.layout)
