@@ -86,6 +86,7 @@ def saver(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_StandIn, _Device]]
     monkeypatch.setattr(_backends, "device_free_bytes", lambda _d: device.free)
     monkeypatch.setattr(_backends, "release_device_memory", device.release)
     monkeypatch.setattr(_backends, "_private_pool_ranges", lambda _d: None)
+    monkeypatch.setattr(_backends, "_device_segments", lambda _d: [])  # no pools reported
     yield tms, device
     for handle in device.watched:
         torch.UntypedStorage._free_weak_ref(handle)  # type: ignore[attr-defined]
@@ -176,6 +177,56 @@ def test_no_room_raises_instead_of_ending_the_process_and_can_be_retried(
     assert manager.asleep_parts == ALL_PARTS
     assert not [c for c in tms.calls if c[0] == "resume"]
     device.free = 1 << 40
+    manager.wake_up()
+    assert not manager.is_asleep
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_wake_up_counts_the_regions_whole_segments(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch_memory_saver resumes a region's whole allocator segments, which hold more
+    than its storages (small ones share 2 MiB segments): the wake-up check asks for
+    what the sleep found in the pools of the part's storages, not their bytes."""
+    _, device = saver
+    manager, model, opt = _manager("tms-segments")
+    segment, spare, pool = 2 << 20, 64 << 20, (1, 7)
+    in_region: list[int] = []  # addresses of the storages moved into the region
+
+    def segments(_device: torch.device) -> list[dict[str, object]]:
+        # a segment per storage in the region's pool, a spare one there (free blocks the
+        # region still maps), and the default pool's, which a resume never maps back
+        out: list[dict[str, object]] = [
+            {"address": ptr, "total_size": segment, "segment_pool_id": pool} for ptr in in_region
+        ]
+        out.append({"address": 1, "total_size": spare, "segment_pool_id": pool})
+        out.append({"address": 2, "total_size": 1 << 30, "segment_pool_id": (0, 0)})
+        return out
+
+    rehome = _backends.rehome
+
+    def into_region(group: object, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
+        in_region.append(fresh.data_ptr())
+        return rehome(group, fresh)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_backends, "rehome", into_region)
+    monkeypatch.setattr(_backends, "_device_segments", segments)
+    before = snapshot(model, opt)
+    manager.sleep(parts=[Part.OPTIMIZER])
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for st in opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    }
+    assert len(in_region) == len(storages)
+    mapped = len(in_region) * segment + spare
+    headroom = TorchMemorySaverBackend.HEADROOM_BYTES
+    device.free = sum(storages.values()) + headroom  # room for the storages, not the segments
+    with pytest.raises(RuntimeError, match=rf"waking optimizer needs {mapped + headroom} bytes"):
+        manager.wake_up()
+    assert manager.asleep_parts == {Part.OPTIMIZER}
+    device.free = mapped + headroom
     manager.wake_up()
     assert not manager.is_asleep
     assert_bit_exact(before, snapshot(model, opt))

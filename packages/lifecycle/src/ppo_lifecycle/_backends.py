@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import ctypes
 import functools
@@ -742,6 +743,13 @@ def _expandable_segments_on() -> bool:
     )
 
 
+def _device_segments(device: torch.device) -> list[dict[str, Any]]:
+    """The caching allocator's segments on ``device`` (``torch.cuda.memory_snapshot``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    segments: list[dict[str, Any]] = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+    return [s for s in segments if s.get("device", index) == index]
+
+
 def _private_pool_ranges(device: torch.device) -> list[tuple[int, int]] | None:
     """Address ranges of ``device``'s caching-allocator segments owned by a private pool.
 
@@ -749,12 +757,8 @@ def _private_pool_ranges(device: torch.device) -> list[tuple[int, int]] | None:
     one lies in such a segment; one allocated in the default pool (``(0, 0)``) was
     not. ``None`` when this torch does not report segment pools.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
     ranges: list[tuple[int, int]] = []
-    segments: list[dict[str, Any]] = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
-    for segment in segments:
-        if segment.get("device", index) != index:
-            continue
+    for segment in _device_segments(device):
         pool = segment.get("segment_pool_id")
         if pool is None:
             return None
@@ -762,6 +766,30 @@ def _private_pool_ranges(device: torch.device) -> list[tuple[int, int]] | None:
             address = int(segment["address"])
             ranges.append((address, address + int(segment["total_size"])))
     return ranges
+
+
+def _pool_segment_bytes(device: torch.device, pointers: Iterable[int]) -> int:
+    """Bytes of ``device``'s segments in the private pools that hold any of ``pointers``:
+    what ``torch_memory_saver`` maps back when it resumes their region (it pauses and
+    resumes the pool's whole segments, each one allocation of the caching allocator,
+    used or not; small storages share 2 MiB segments and 1-10 MiB ones 20 MiB ones).
+    0 when this torch does not report segment pools."""
+    addresses = sorted(pointers)
+    segments = _device_segments(device)
+    pools: set[tuple[int, ...]] = set()
+    for segment in segments:
+        pool = segment.get("segment_pool_id")
+        if pool is None:
+            return 0
+        if tuple(pool) == (0, 0):
+            continue
+        lo = int(segment["address"])
+        first = bisect.bisect_left(addresses, lo)  # the first pointer at or above lo
+        if first < len(addresses) and addresses[first] < lo + int(segment["total_size"]):
+            pools.add(tuple(pool))
+    return sum(
+        int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) in pools
+    )
 
 
 class TorchMemorySaverBackend:
@@ -785,8 +813,10 @@ class TorchMemorySaverBackend:
     free device memory is checked against the bytes needed (after emptying this
     process's cache) and a shortfall raises ``RuntimeError`` instead: the part
     stays as it was and the call can be retried once the other process has slept.
-    The check counts the storages' bytes plus ``HEADROOM_BYTES`` (one allocator
-    segment); it can still miss when the allocator rounds many small storages up.
+    A move counts the storage's bytes plus ``HEADROOM_BYTES`` (one allocator
+    segment); a wake-up counts what the library will map back, the region's whole
+    allocator segments as the sleep found them (at least the storages' bytes), plus
+    ``HEADROOM_BYTES``.
 
     A region only captures allocations made by the thread that entered it (it is a
     ``torch.cuda.use_mem_pool`` plus a thread-local switch). ``backward()`` runs the
@@ -891,6 +921,8 @@ class TorchMemorySaverBackend:
         # (once checked, a storage keeps its address: later sleeps skip the snapshot)
         self._unchecked: dict[Part, set[int]] = {part: set() for part in Part}
         self._paused: dict[Part, list[tuple[int, int]]] = {}
+        # device bytes each paused part's resume maps back (its region's segments)
+        self._mapped: dict[Part, int] = {}
         self._live[name] = self
 
     def tag(self, part: Part) -> str:
@@ -1002,9 +1034,11 @@ class TorchMemorySaverBackend:
                 release_device_memory(self.device)
                 moved = 0
         torch.cuda.synchronize(self.device)
+        segments = _pool_segment_bytes(self.device, (g.storage.data_ptr() for g in groups))
         self._tms.pause(tag)
         self._paused_tags.add(tag)
         self._paused[part] = released
+        self._mapped[part] = max(segments, sum(n for _, n in released))
         # The pause gave the region's memory back to the device; the old blocks of the
         # storages moved into the region just now are freed blocks of the caching
         # allocator until it is emptied.
@@ -1015,11 +1049,11 @@ class TorchMemorySaverBackend:
         assert part in self._paused, f"{part} resumed without being paused"
         tag = self.tag(part)
         nbytes = sum(n for _, n in self._paused[part])
-        self._require_free(nbytes, f"waking {part.value}")
+        self._require_free(self._mapped[part], f"waking {part.value}")
         self._tms.resume(tag)
         self._paused_tags.discard(tag)
         torch.cuda.synchronize(self.device)
-        del self._paused[part]
+        del self._paused[part], self._mapped[part]
         return nbytes
 
     def offloaded_keys(self) -> frozenset[int]:
