@@ -103,3 +103,32 @@ def test_torch_memory_saver_adopts_tensors_allocated_outside() -> None:
     assert list(model.parameters()) == params  # same objects, new storage in the region
     assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()  # still tied
     train_step(model, opt, seed=5)  # and training continues
+
+
+def test_torch_memory_saver_wake_up_check_asks_for_what_the_pause_freed() -> None:
+    """Small storages share one 2 MiB allocator segment, which torch_memory_saver pauses
+    and resumes whole: the wake-up check asks for the segment, at least what the pause
+    gave back to the device, not the storages' 64 KiB."""
+    pytest.importorskip("torch_memory_saver")
+    from ppo_lifecycle import TorchMemorySaverBackend
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = TorchMemorySaverBackend(device, name="tms-small")
+    with backend.region(Part.PARAMETERS):
+        small = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(256, device=device)) for _ in range(64)
+        )  # 64 x 1 KiB
+    backend.adopt_tensors(Part.PARAMETERS, small.parameters())
+    opt = torch.optim.Adam(small.parameters(), lr=1e-3)
+    manager = OffloadManager(small, opt, backend=backend, name="tms-small")
+    before = snapshot(small, opt)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # nothing else of this process is freed by the sleep
+    free_before, _ = torch.cuda.mem_get_info()
+    manager.sleep(parts=[Part.PARAMETERS])
+    freed = torch.cuda.mem_get_info()[0] - free_before
+    asked = backend._mapped[Part.PARAMETERS]  # what reload() will require
+    assert asked >= 2 << 20 > 64 * 1024, asked
+    assert asked >= freed > 0, (asked, freed)
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(small, opt))
