@@ -21,7 +21,7 @@ from ppo_sampler import (
 )
 from ppo_sampler.__main__ import main
 from ppo_sampler._presets import PRESETS
-from ppo_sampler._simulate import default_minimums
+from ppo_sampler._simulate import SimStep, SimulationResult, default_minimums
 
 FAST = GenerationModel(tokens_per_s=1000.0, concurrency=1000)
 """1 ms per token per sequence; every group of two steps decodes at once."""
@@ -116,6 +116,19 @@ def test_free_training_and_switches_make_step_time_the_generation_time(batching:
             assert step.step_s == step.generation_s
             assert step.busy_s == 0.0
         assert result.idle_frac == 1.0
+
+
+def test_a_step_of_work_only_is_not_negatively_idle() -> None:
+    """A step whose timeline is all work: 0.7 - 0.4 is 0.29999999999999993 in floats and
+    the work 0.1 + 0.2 is 0.30000000000000004; idle is 0 (it printed as "-0.0%")."""
+    step = SimStep(
+        step=0, start_s=0.4, end_s=0.7, chunk_groups=(8,), busy_s=0.1 + 0.2, generation_s=0.1
+    )
+    result = SimulationResult(
+        workload=Workload(batch=8, min_groups=8), steps=(step,), warmup_steps=0
+    )
+    assert result.idle_frac == 0.0
+    assert f"{result.idle_frac:.1%}" == "0.0%"
 
 
 def test_a_call_hands_its_groups_over_together() -> None:

@@ -478,7 +478,11 @@ class SimulationResult:
     def idle_frac(self) -> float:
         """Fraction of the measured steps' time the training devices did nothing."""
         total = sum(s.step_s for s in self.measured)
-        return 1.0 - sum(s.busy_s for s in self.measured) / total if total > 0 else 0.0
+        if total <= 0:
+            return 0.0
+        # never below 0: a step of busy time only is 1 - busy/total = -1e-16 in floats,
+        # printed as "-0.0%"
+        return max(0.0, 1.0 - sum(s.busy_s for s in self.measured) / total)
 
     @property
     def non_final_samples(self) -> float:
