@@ -221,9 +221,16 @@ def _split_dim(name: str, *, critic: bool) -> int | None:
     return None
 
 
+def _gathered_dim(name: str, *, critic: bool) -> int | None:
+    """The dim along which the tensor-parallel slices of ``name`` make up the full tensor
+    (``mlp.linear_fc1``: 0, each rank holding a slice of the gate and of the up half;
+    None: replicated)."""
+    return 0 if name.endswith("mlp.linear_fc1.weight") else _split_dim(name, critic=critic)
+
+
 def is_tensor_parallel(name: str, *, critic: bool = False) -> bool:
     """Whether tensor-parallel ranks hold different slices of ``name``."""
-    return name.endswith("mlp.linear_fc1.weight") or _split_dim(name, critic=critic) is not None
+    return _gathered_dim(name, critic=critic) is not None
 
 
 def shard(
@@ -247,7 +254,7 @@ def full_shape(
     name: str, shard_shape: tuple[int, ...], *, size: int, critic: bool = False
 ) -> tuple[int, ...]:
     """The shape :func:`unshard` makes of ``size`` slices of ``shard_shape``."""
-    dim = 0 if name.endswith("mlp.linear_fc1.weight") else _split_dim(name, critic=critic)
+    dim = _gathered_dim(name, critic=critic)
     if size == 1 or dim is None:
         return shard_shape
     return (*shard_shape[:dim], shard_shape[dim] * size, *shard_shape[dim + 1 :])
