@@ -127,7 +127,7 @@ def test_torch_memory_saver_wake_up_check_asks_for_what_the_pause_freed() -> Non
     free_before, _ = torch.cuda.mem_get_info()
     manager.sleep(parts=[Part.PARAMETERS])
     freed = torch.cuda.mem_get_info()[0] - free_before
-    asked = backend._mapped[Part.PARAMETERS]  # what reload() will require
+    asked = backend.resume_bytes(Part.PARAMETERS)  # what the wake-up will require
     assert asked >= 2 << 20 > 64 * 1024, asked
     assert asked >= freed > 0, (asked, freed)
     manager.wake_up()

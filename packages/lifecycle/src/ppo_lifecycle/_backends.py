@@ -750,6 +750,21 @@ def _device_segments(device: torch.device) -> list[dict[str, Any]]:
     return [s for s in segments if s.get("device", index) == index]
 
 
+def _private_segments(device: torch.device) -> list[tuple[int, int, tuple[int, ...]]] | None:
+    """``(start, end, pool)`` of ``device``'s caching-allocator segments owned by a
+    private pool (not the default pool ``(0, 0)``); ``None`` when this torch does not
+    report segment pools."""
+    out: list[tuple[int, int, tuple[int, ...]]] = []
+    for segment in _device_segments(device):
+        pool = segment.get("segment_pool_id")
+        if pool is None:
+            return None
+        if tuple(pool) != (0, 0):
+            start = int(segment["address"])
+            out.append((start, start + int(segment["total_size"]), tuple(pool)))
+    return out
+
+
 def _private_pool_ranges(device: torch.device) -> list[tuple[int, int]] | None:
     """Address ranges of ``device``'s caching-allocator segments owned by a private pool.
 
@@ -757,15 +772,8 @@ def _private_pool_ranges(device: torch.device) -> list[tuple[int, int]] | None:
     one lies in such a segment; one allocated in the default pool (``(0, 0)``) was
     not. ``None`` when this torch does not report segment pools.
     """
-    ranges: list[tuple[int, int]] = []
-    for segment in _device_segments(device):
-        pool = segment.get("segment_pool_id")
-        if pool is None:
-            return None
-        if tuple(pool) != (0, 0):
-            address = int(segment["address"])
-            ranges.append((address, address + int(segment["total_size"])))
-    return ranges
+    segments = _private_segments(device)
+    return None if segments is None else [(lo, hi) for lo, hi, _ in segments]
 
 
 def _pool_segment_bytes(device: torch.device, pointers: Iterable[int]) -> int:
@@ -774,22 +782,14 @@ def _pool_segment_bytes(device: torch.device, pointers: Iterable[int]) -> int:
     resumes the pool's whole segments, each one allocation of the caching allocator,
     used or not; small storages share 2 MiB segments and 1-10 MiB ones 20 MiB ones).
     0 when this torch does not report segment pools."""
+    segments = _private_segments(device) or []
     addresses = sorted(pointers)
-    segments = _device_segments(device)
-    pools: set[tuple[int, ...]] = set()
-    for segment in segments:
-        pool = segment.get("segment_pool_id")
-        if pool is None:
-            return 0
-        if tuple(pool) == (0, 0):
-            continue
-        lo = int(segment["address"])
+    pools = set()
+    for lo, hi, pool in segments:
         first = bisect.bisect_left(addresses, lo)  # the first pointer at or above lo
-        if first < len(addresses) and addresses[first] < lo + int(segment["total_size"]):
-            pools.add(tuple(pool))
-    return sum(
-        int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) in pools
-    )
+        if first < len(addresses) and addresses[first] < hi:
+            pools.add(pool)
+    return sum(hi - lo for lo, hi, pool in segments if pool in pools)
 
 
 class TorchMemorySaverBackend:
@@ -814,8 +814,8 @@ class TorchMemorySaverBackend:
     process's cache) and a shortfall raises ``RuntimeError`` instead: the part
     stays as it was and the call can be retried once the other process has slept.
     A move counts the storage's bytes plus ``HEADROOM_BYTES`` (one allocator
-    segment); a wake-up counts what the library will map back, the region's whole
-    allocator segments as the sleep found them (at least the storages' bytes), plus
+    segment); a wake-up counts what the library will map back (:meth:`resume_bytes`:
+    the region's whole allocator segments, at least the storages' bytes), plus
     ``HEADROOM_BYTES``.
 
     A region only captures allocations made by the thread that entered it (it is a
@@ -921,8 +921,6 @@ class TorchMemorySaverBackend:
         # (once checked, a storage keeps its address: later sleeps skip the snapshot)
         self._unchecked: dict[Part, set[int]] = {part: set() for part in Part}
         self._paused: dict[Part, list[tuple[int, int]]] = {}
-        # device bytes each paused part's resume maps back (its region's segments)
-        self._mapped: dict[Part, int] = {}
         self._live[name] = self
 
     def tag(self, part: Part) -> str:
@@ -1034,11 +1032,9 @@ class TorchMemorySaverBackend:
                 release_device_memory(self.device)
                 moved = 0
         torch.cuda.synchronize(self.device)
-        segments = _pool_segment_bytes(self.device, (g.storage.data_ptr() for g in groups))
         self._tms.pause(tag)
         self._paused_tags.add(tag)
         self._paused[part] = released
-        self._mapped[part] = max(segments, sum(n for _, n in released))
         # The pause gave the region's memory back to the device; the old blocks of the
         # storages moved into the region just now are freed blocks of the caching
         # allocator until it is emptied.
@@ -1049,12 +1045,20 @@ class TorchMemorySaverBackend:
         assert part in self._paused, f"{part} resumed without being paused"
         tag = self.tag(part)
         nbytes = sum(n for _, n in self._paused[part])
-        self._require_free(self._mapped[part], f"waking {part.value}")
+        self._require_free(self.resume_bytes(part), f"waking {part.value}")
         self._tms.resume(tag)
         self._paused_tags.discard(tag)
         torch.cuda.synchronize(self.device)
-        del self._paused[part], self._mapped[part]
+        del self._paused[part]
         return nbytes
+
+    def resume_bytes(self, part: Part) -> int:
+        """Device bytes the library maps back when sleeping ``part`` resumes: its
+        region's whole allocator segments (a paused pool gains none: :meth:`region`
+        refuses while it sleeps), at least its storages' bytes."""
+        paused = self._paused[part]
+        addresses = (self._adopted[part][key] for key, _ in paused)
+        return max(_pool_segment_bytes(self.device, addresses), sum(n for _, n in paused))
 
     def offloaded_keys(self) -> frozenset[int]:
         return frozenset(key for items in self._paused.values() for key, _ in items)
