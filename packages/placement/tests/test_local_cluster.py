@@ -4,6 +4,7 @@ start_local_ray's promises, then SharedPlacement on one node."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from ppo_placement import (
     shutdown_local_ray,
     start_local_ray,
 )
+from ppo_placement._ray_processes import _descendants_started_after
 from ray.util import placement_group_table
 
 Where = Callable[..., list[dict[str, Any]]]
@@ -45,6 +47,9 @@ def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> Non
     (node,) = [n for n in ray.nodes() if n["Alive"]]
     assert node["NodeManagerAddress"] == "127.0.0.1"
     assert ray.cluster_resources()["GPU"] == 4.0
+    # No idle worker prestarted for this driver (Ray's default: num_cpus of them, started
+    # as the driver connects and seen within a second or two): before any task, none
+    assert _python_workers() == [], "Ray prestarted idle workers (prestart_workers=False)"
 
     @ray.remote(num_gpus=1, num_cpus=0)
     def where() -> tuple[str, list[int]]:
@@ -53,6 +58,28 @@ def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> Non
     ip, gpus = ray.get(where.remote(), timeout=120)
     assert ip == "127.0.0.1"
     assert len(gpus) == 1 and gpus[0] in (0, 1, 2, 3)
+
+
+def _python_workers(wait_s: float = 3.0) -> list[str]:
+    """The command lines of the Ray worker processes under this one (a worker starts as
+    ``python .../default_worker.py``, then names itself ``ray::IDLE`` or after its
+    task), looked for over ``wait_s``; the raylet's ``ray::...Agent`` helpers are not."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for pid in _descendants_started_after(os.getpid(), 0.0):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    args = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            starting = len(args) > 1 and args[1].endswith("default_worker.py")
+            named = args[0].startswith("ray::") and "Agent" not in args[0]
+            if starting or named:
+                found.append(" ".join(args))
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:

@@ -67,32 +67,60 @@ def draw_tokens(
             f"logits shape {tuple(logits.shape)} does not match {len(generators)} generators"
         )
     rows = len(generators)
-    per_row = [params] * rows if isinstance(params, SamplingParams) else list(params)
-    scale = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in per_row])
-    logp = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
-    tokens = torch.argmax(logp, dim=-1)  # greedy rows keep these
-    sampled = [i for i, p in enumerate(per_row) if p.temperature > 0.0]
-    if sampled:
-        index = torch.tensor(sampled)
-        probs = logp[index].exp()
-        top_p = [per_row[i].top_p for i in sampled]
-        if min(top_p) < 1.0:
-            probs = _top_p_filter(probs, torch.tensor(top_p))
-        cdf = torch.cumsum(probs.double(), dim=-1)
-        u = torch.stack(
-            [torch.rand((), generator=generators[i], dtype=torch.float64) for i in sampled]
-        )
-        threshold = (u * cdf[:, -1])[:, None]  # < the row's total: a token always exists
-        drawn = torch.searchsorted(cdf, threshold, right=True)[:, 0]
-        tokens[index] = drawn.clamp_max(logp.shape[1] - 1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    table = _ParamTable([params] * rows if isinstance(params, SamplingParams) else list(params))
+    uniforms = torch.zeros(rows, dtype=torch.float64)
+    for i in table.sampled_rows:
+        uniforms[i] = torch.rand((), generator=generators[i], dtype=torch.float64)
+    tokens, chosen = table.draw(logits, torch.arange(rows), uniforms)
     return [int(t) for t in tokens.tolist()], [float(x) for x in chosen.tolist()]
+
+
+class _ParamTable:
+    """The sampling parameters of a batch's rows as tensors (built once per batch)."""
+
+    def __init__(self, params: Sequence[SamplingParams]) -> None:
+        self.scale = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        self.sampled = torch.tensor([p.temperature > 0.0 for p in params], dtype=torch.bool)
+        self.sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+        self.max_new = torch.tensor([p.max_new_tokens for p in params])
+        width = max((len(p.stop_token_ids) for p in params), default=0)
+        self.stops = torch.full((len(params), max(width, 1)), -1, dtype=torch.long)
+        for i, p in enumerate(params):
+            self.stops[i, : len(p.stop_token_ids)] = torch.tensor(
+                p.stop_token_ids, dtype=torch.long
+            )
+
+    def draw(
+        self, logits: torch.Tensor, rows: torch.Tensor, uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their log-probs ``[R]`` for ``logits`` ``[R, V]`` of the table's
+        ``rows`` ``[R]``, a sampled row drawing with its number of ``uniforms`` ``[R]``
+        (float64 in [0, 1)); as :func:`draw_tokens` describes."""
+        logp = torch.log_softmax(logits.float() / self.scale[rows][:, None], dim=-1)
+        tokens = torch.argmax(logp, dim=-1)  # greedy rows keep these
+        index = torch.nonzero(self.sampled[rows])[:, 0]
+        if len(index):
+            probs = logp[index].exp()
+            top_p = self.top_p[rows[index]]
+            if bool((top_p < 1.0).any()):
+                probs = _top_p_filter(probs, top_p)
+            cdf = torch.cumsum(probs.double(), dim=-1)
+            threshold = (uniforms[index] * cdf[:, -1])[:, None]  # < the row's total
+            drawn = torch.searchsorted(cdf, threshold, right=True)[:, 0]
+            tokens[index] = drawn.clamp_max(logp.shape[1] - 1)
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        return tokens, chosen
 
 
 class _KVCache(Protocol):
     """The part of a Hugging Face KV cache (``past_key_values``) used here."""
 
     def batch_select_indices(self, indices: torch.Tensor) -> None: ...
+
+
+#: Uniforms a sampled row draws from its generator at once (one per decode step).
+_UNIFORM_BLOCK = 16
 
 
 @torch.inference_mode()
@@ -116,8 +144,13 @@ def generate_rows(
     so a sample depends only on its prompt, its seed and the weights, not on which rows
     shared its batch. ``on_finish(row, sample)`` is called as each row finishes (while
     the others go on decoding).
+
+    Each step is a few tensor operations over the batch, whatever its rows: a sampled
+    row's generator gives its uniforms ``_UNIFORM_BLOCK`` steps at a time (the same
+    numbers, in the same order, as one per step: the generator is the row's alone).
     """
     rows = _check_rows(prompts, params=params, seeds=seeds)
+    table = _ParamTable(params)
     gens = [torch.Generator(device="cpu").manual_seed(int(s)) for s in seeds]
     # slots[k]: the row decoded in batch position k, or -1 for a ballast row that keeps
     # the batch at >= _MIN_BATCH_ROWS (CPU GEMM kernels round differently below that)
@@ -126,19 +159,30 @@ def generate_rows(
         [list(prompts[r if r >= 0 else 0]) for r in slots], dtype=torch.long, device=device
     )
     past, logits = _forward(model, ids, None)
-    decoded = _Decoded(params, rows)
+    history = _History(rows, max(p.max_new_tokens for p in params))
+    uniforms = torch.zeros(rows, _UNIFORM_BLOCK, dtype=torch.float64)
+    samples: list[SampleOutput | None] = [None] * rows
+    step = 0
     while True:
         live = [k for k, r in enumerate(slots) if r >= 0]
-        drawn, lps = draw_tokens(
-            logits[live],
-            params=[params[slots[k]] for k in live],
-            generators=[gens[slots[k]] for k in live],
-        )
-        feed = [0] * len(slots)
-        for k, tok, lp in zip(live, drawn, lps, strict=True):
-            feed[k] = tok
-            if decoded.add(slots[k], tok, lp, on_finish=on_finish):
-                slots[k] = -1
+        live_rows = torch.tensor([slots[k] for k in live])
+        if step % _UNIFORM_BLOCK == 0:
+            for r in live_rows[table.sampled[live_rows]].tolist():
+                uniforms[r] = torch.rand(_UNIFORM_BLOCK, generator=gens[r], dtype=torch.float64)
+        drawn, lps = table.draw(logits[live], live_rows, uniforms[live_rows, step % _UNIFORM_BLOCK])
+        history.add(live_rows, step, drawn, lps)
+        step += 1
+        stopped = (drawn[:, None] == table.stops[live_rows]).any(dim=1)
+        done = stopped | (table.max_new[live_rows] <= step)
+        feed = torch.zeros(len(slots), dtype=torch.long)
+        feed[live] = drawn
+        for i in torch.nonzero(done)[:, 0].tolist():  # in batch order, as they finish
+            r = slots[live[i]]
+            sample = history.sample(r, step, "stop" if bool(stopped[i]) else "length")
+            samples[r] = sample
+            slots[live[i]] = -1
+            if on_finish is not None:
+                on_finish(r, sample)
         keep = [k for k, r in enumerate(slots) if r >= 0]
         if not keep:
             break
@@ -149,10 +193,39 @@ def generate_rows(
         if len(keep) < len(slots):
             past.batch_select_indices(torch.tensor(keep, dtype=torch.long, device=device))
             slots = [slots[k] for k in keep]
-            feed = [feed[k] for k in keep]
-        step_ids = torch.tensor([[t] for t in feed], dtype=torch.long, device=device)
-        past, logits = _forward(model, step_ids, past)
-    return [decoded.sample(r) for r in range(rows)]
+            feed = feed[keep]
+        past, logits = _forward(model, feed[:, None].to(device), past)
+    assert all(s is not None for s in samples)
+    return samples  # type: ignore[return-value]
+
+
+class _History:
+    """The tokens and log-probabilities every row drew so far, ``[rows, steps]``."""
+
+    def __init__(self, rows: int, max_steps: int) -> None:
+        self.max_steps = max_steps
+        width = min(max_steps, 64)  # grows (doubling) up to max_steps
+        self.tokens = torch.zeros(rows, width, dtype=torch.long)
+        self.logprobs = torch.zeros(rows, width)
+
+    def add(self, rows: torch.Tensor, step: int, tokens: torch.Tensor, lps: torch.Tensor) -> None:
+        if step == self.tokens.shape[1]:
+            width = min(2 * step, self.max_steps)
+            self.tokens = torch.cat(
+                [self.tokens, self.tokens.new_zeros(len(self.tokens), width - step)], 1
+            )
+            self.logprobs = torch.cat(
+                [self.logprobs, self.logprobs.new_zeros(len(self.tokens), width - step)], 1
+            )
+        self.tokens[rows, step] = tokens
+        self.logprobs[rows, step] = lps
+
+    def sample(self, row: int, steps: int, reason: FinishReason) -> SampleOutput:
+        return SampleOutput(
+            token_ids=tuple(self.tokens[row, :steps].tolist()),
+            logprobs=tuple(self.logprobs[row, :steps].tolist()),
+            finish_reason=reason,
+        )
 
 
 def _check_rows(
@@ -179,48 +252,6 @@ def _forward(
     else:
         out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
     return out.past_key_values, out.logits[:, -1, :].to("cpu")
-
-
-class _Decoded:
-    """The tokens, log-probabilities and finish reason of each row so far."""
-
-    def __init__(self, params: Sequence[SamplingParams], rows: int) -> None:
-        self.params = params
-        self.stops = [set(p.stop_token_ids) for p in params]
-        self.tokens: list[list[int]] = [[] for _ in range(rows)]
-        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
-        self.reasons: list[FinishReason | None] = [None] * rows
-
-    def add(
-        self,
-        r: int,
-        tok: int,
-        lp: float,
-        *,
-        on_finish: Callable[[int, SampleOutput], None] | None,
-    ) -> bool:
-        """Append row ``r``'s next token; True when that finished the row (a stop token,
-        or ``max_new_tokens``), after ``on_finish(r, sample)``."""
-        self.tokens[r].append(tok)
-        self.logprobs[r].append(lp)
-        if tok in self.stops[r]:
-            self.reasons[r] = "stop"
-        elif len(self.tokens[r]) >= self.params[r].max_new_tokens:
-            self.reasons[r] = "length"
-        if self.reasons[r] is None:
-            return False
-        if on_finish is not None:
-            on_finish(r, self.sample(r))
-        return True
-
-    def sample(self, r: int) -> SampleOutput:
-        return _sample(self.tokens[r], self.logprobs[r], self.reasons[r])
-
-
-def _sample(tokens: list[int], logprobs: list[float], reason: FinishReason | None) -> SampleOutput:
-    return SampleOutput(
-        token_ids=tuple(tokens), logprobs=tuple(logprobs), finish_reason=reason or "length"
-    )
 
 
 def generate_group(
