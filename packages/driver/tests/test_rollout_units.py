@@ -39,7 +39,7 @@ from ppo_driver.rollout import (
     synthetic_records,
     tiny_qwen2_config,
 )
-from ppo_driver.rollout._sampling import _top_p_filter, draw_tokens
+from ppo_driver.rollout._sampling import _UNIFORM_BLOCK, _forward, _top_p_filter, draw_tokens
 from ppo_trainer.testing import head_magnitude, model_terms, rounding_bound
 
 TOK = CharTokenizer()
@@ -88,6 +88,47 @@ def test_batched_rows_are_bitwise_identical_to_single_groups(
         assert batched[4 * k : 4 * k + 4] == alone
     one = generate_rows(model, prompts[:1], params=[PARAMS], seeds=seeds[:1])
     assert one[0] == batched[0]
+
+
+def test_decoding_matches_a_loop_drawing_once_per_step(model: Any, dataset: PromptDataset) -> None:
+    """generate_rows over a batch of mixed settings (greedy, top-p, temperatures, stop
+    tokens, lengths past one block of uniforms) equals, bit for bit, a plain loop per row:
+    its KV cache in a batch of 4 copies, one ``draw_tokens`` call per step (one uniform
+    from the row's generator per step), stopping at a stop token or the length."""
+    kinds = [
+        SamplingParams(n=1, max_new_tokens=12, stop_token_ids=(TOK.eos_id,)),
+        SamplingParams(n=1, max_new_tokens=5, temperature=0.0),
+        SamplingParams(n=1, max_new_tokens=2 * _UNIFORM_BLOCK + 3, top_p=0.7, temperature=0.8),
+        SamplingParams(n=1, max_new_tokens=_UNIFORM_BLOCK + 1, temperature=1.3),
+        SamplingParams(n=1, max_new_tokens=9, stop_token_ids=(TOK.eos_id, 5)),
+    ]
+    length = len(dataset.prompt_ids(0))
+    prompts = [p for i in range(len(dataset)) if len(p := dataset.prompt_ids(i)) == length][:10]
+    params = [kinds[r % len(kinds)] for r in range(len(prompts))]
+    seeds = [
+        sample_seed(run_seed=5, prompt_index=r, sample_index=0, weight_version=2)
+        for r in range(len(prompts))
+    ]
+    finished: list[int] = []
+    batched = generate_rows(
+        model, prompts, params=params, seeds=seeds, on_finish=lambda r, _s: finished.append(r)
+    )
+    assert sorted(finished) == list(range(len(prompts)))
+    for r, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        gen = torch.Generator().manual_seed(seeds[r])
+        with torch.inference_mode():
+            past, logits = _forward(model, torch.tensor([list(prompt)] * 4), None)
+            tokens: list[int] = []
+            lps: list[float] = []
+            while True:
+                (tok,), (lp,) = draw_tokens(logits[:1], params=[p], generators=[gen])
+                tokens.append(tok)
+                lps.append(lp)
+                if tok in p.stop_token_ids or len(tokens) == p.max_new_tokens:
+                    break
+                past, logits = _forward(model, torch.tensor([[tok]] * 4), past)
+        reason = "stop" if tok in p.stop_token_ids else "length"
+        assert batched[r] == SampleOutput(tuple(tokens), tuple(lps), reason), r
 
 
 def test_engine_logprobs_match_a_full_forward(model: Any, dataset: PromptDataset) -> None:
