@@ -47,9 +47,9 @@ def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> Non
     (node,) = [n for n in ray.nodes() if n["Alive"]]
     assert node["NodeManagerAddress"] == "127.0.0.1"
     assert ray.cluster_resources()["GPU"] == 4.0
-    # No idle worker prestarted for this driver (Ray's default: num_cpus of them, started
-    # as the driver connects and seen within a second or two): before any task, none
-    assert _python_workers() == [], "Ray prestarted idle workers (prestart_workers=False)"
+    # idle_workers=False: no worker prestarted for this driver (Ray's default: num_cpus
+    # of them, started as the driver connects, seen within a second or two) ...
+    assert _workers_over(3.0, until_none=False) == [], "Ray prestarted idle workers"
 
     @ray.remote(num_gpus=1, num_cpus=0)
     def where() -> tuple[str, list[int]]:
@@ -58,26 +58,35 @@ def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> Non
     ip, gpus = ray.get(where.remote(), timeout=120)
     assert ip == "127.0.0.1"
     assert len(gpus) == 1 and gpus[0] in (0, 1, 2, 3)
+    # ... and the worker that ran the task exits once idle for a second (Ray keeps it)
+    assert _workers_over(15.0, until_none=True) == [], "an idle worker stayed"
 
 
-def _python_workers(wait_s: float = 3.0) -> list[str]:
+def _python_workers() -> list[str]:
     """The command lines of the Ray worker processes under this one (a worker starts as
     ``python .../default_worker.py``, then names itself ``ray::IDLE`` or after its
-    task), looked for over ``wait_s``; the raylet's ``ray::...Agent`` helpers are not."""
-    deadline = time.monotonic() + wait_s
+    task); the raylet's ``ray::...Agent`` helpers are not workers."""
+    found = []
+    for pid in _descendants_started_after(os.getpid(), 0.0):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        starting = len(args) > 1 and args[1].endswith("default_worker.py")
+        named = args[0].startswith("ray::") and "Agent" not in args[0]
+        if starting or named:
+            found.append(" ".join(args))
+    return found
+
+
+def _workers_over(seconds: float, *, until_none: bool) -> list[str]:
+    """Poll :func:`_python_workers` for up to ``seconds``: the first non-empty list, or
+    (``until_none``) the list once empty; the last list when time is up."""
+    deadline = time.monotonic() + seconds
     while True:
-        found = []
-        for pid in _descendants_started_after(os.getpid(), 0.0):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    args = f.read().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            starting = len(args) > 1 and args[1].endswith("default_worker.py")
-            named = args[0].startswith("ray::") and "Agent" not in args[0]
-            if starting or named:
-                found.append(" ".join(args))
-        if found or time.monotonic() > deadline:
+        found = _python_workers()
+        if bool(found) != until_none or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
 

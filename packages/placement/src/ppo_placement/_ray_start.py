@@ -98,7 +98,7 @@ def start_local_ray(
     attempts: int = 3,
     warm_imports: bool | None = None,
     nodes: int = 1,
-    prestart_workers: bool = False,
+    idle_workers: bool = False,
 ) -> LocalRay:
     """Start a fresh local Ray cluster bound to 127.0.0.1, or reuse the one already up.
 
@@ -126,12 +126,15 @@ def start_local_ray(
         nodes: Ray nodes to start on this machine (``ray.cluster_utils.Cluster``), each
             with ``num_cpus`` / ``num_gpus`` / ``resources``; all share 127.0.0.1 and
             logical GPU ids restart at 0 on every node. For multi-node tests.
-        prestart_workers: let Ray start ``num_cpus`` idle Python workers when this
-            process connects (Ray's default), for the first tasks to take. ``False``
-            (the default here): none. An actor with a ``runtime_env`` never takes one,
-            and the project's are requested before the prestarted ones have registered,
-            so on its runs they only idle: about 0.5 CPU-s each to start (on a 2-core
-            machine, beside the workers' own start-up) and 1 % of a core each after.
+        idle_workers: keep Ray's pool of idle Python workers (its default): ``num_cpus``
+            of them started as this process connects, and every worker whose task is
+            done kept for the next task. ``False`` (the default here): none is
+            prestarted, and a worker idle for a second exits (``num_workers_soft_limit``
+            0). An actor never takes a worker that ran a task, nor (with a
+            ``runtime_env``) a prestarted one that has none, so on the driver's runs,
+            all actors, the pool only idled: about 0.6 CPU-s per worker to start, on a
+            machine the workers' own start-up shares, and 1 % of a core each after.
+            Without it a task after an idle second pays a worker start (about 0.5 s).
 
     Returns:
         A :class:`LocalRay` record (address, session directory, timing).
@@ -149,8 +152,11 @@ def start_local_ray(
     if ray.is_initialized():
         return _reuse_running(num_gpus=num_gpus, nodes=nodes, t_start=t_start)
     node_args = _node_args(num_cpus, num_gpus, resources, object_store_memory)
-    if not prestart_workers:  # read by the head node's raylet
-        node_args["_system_config"] = {"prestart_worker_first_driver": False}
+    if not idle_workers:  # read by the head node's raylet, for the cluster
+        node_args["_system_config"] = {
+            "prestart_worker_first_driver": False,
+            "num_workers_soft_limit": 0,
+        }
     _warm_if_cold(warm_imports)
     start = partial(_start_ray, nodes, node_args, log_to_driver, namespace)
     return _start_with_retries(start, attempts=attempts, t_start=t_start)
