@@ -126,15 +126,14 @@ def start_local_ray(
         nodes: Ray nodes to start on this machine (``ray.cluster_utils.Cluster``), each
             with ``num_cpus`` / ``num_gpus`` / ``resources``; all share 127.0.0.1 and
             logical GPU ids restart at 0 on every node. For multi-node tests.
-        idle_workers: keep Ray's pool of idle Python workers (its default): ``num_cpus``
-            of them started as this process connects, and every worker whose task is
-            done kept for the next task. ``False`` (the default here): none is
-            prestarted, and a worker idle for a second exits (``num_workers_soft_limit``
-            0). An actor never takes a worker that ran a task, nor (with a
-            ``runtime_env``) a prestarted one that has none, so on the driver's runs,
-            all actors, the pool only idled: about 0.6 CPU-s per worker to start, on a
-            machine the workers' own start-up shares, and 1 % of a core each after.
-            Without it a task after an idle second pays a worker start (about 0.5 s).
+        idle_workers: keep Ray's idle Python workers (its default): every worker whose
+            task is done waits in a pool for the next task, up to ``num_cpus`` of them.
+            ``False`` (the default here): a worker idle for a second exits
+            (``num_workers_soft_limit`` 0). An actor never takes a worker that ran a task,
+            so on the driver's runs (actors only, after one placement probe per bundle,
+            which the workers Ray starts as the driver connects serve) the pool only
+            idled: 1 % of a core per worker for the whole run. Without it a task after
+            an idle second waits for a new worker (about 0.5 s).
 
     Returns:
         A :class:`LocalRay` record (address, session directory, timing).
@@ -152,11 +151,8 @@ def start_local_ray(
     if ray.is_initialized():
         return _reuse_running(num_gpus=num_gpus, nodes=nodes, t_start=t_start)
     node_args = _node_args(num_cpus, num_gpus, resources, object_store_memory)
-    if not idle_workers:  # read by the head node's raylet, for the cluster
-        node_args["_system_config"] = {
-            "prestart_worker_first_driver": False,
-            "num_workers_soft_limit": 0,
-        }
+    if not idle_workers:  # the head node's, for the cluster
+        node_args["_system_config"] = {"num_workers_soft_limit": 0}
     _warm_if_cold(warm_imports)
     start = partial(_start_ray, nodes, node_args, log_to_driver, namespace)
     return _start_with_retries(start, attempts=attempts, t_start=t_start)
@@ -203,6 +199,8 @@ def _start_ray(
     """One attempt: ``ray.init`` of a new one-node cluster, or ``nodes`` nodes."""
     import ray
 
+    if "_system_config" in node_args:  # ray.init adds this attempt's spill directory to it
+        node_args = {**node_args, "_system_config": dict(node_args["_system_config"])}
     if nodes == 1:
         ray.init(
             address="local",
