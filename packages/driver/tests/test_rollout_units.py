@@ -92,7 +92,8 @@ def test_batched_rows_are_bitwise_identical_to_single_groups(
 
 def test_decoding_matches_a_loop_drawing_once_per_step(model: Any, dataset: PromptDataset) -> None:
     """generate_rows over a batch of mixed settings (greedy, top-p, temperatures, stop
-    tokens, lengths past one block of uniforms) equals, bit for bit, a plain loop per row:
+    tokens, lengths past one block of uniforms and past the token buffer's first width)
+    equals, bit for bit, a plain loop per row:
     its KV cache in a batch of 4 copies, one ``draw_tokens`` call per step (one uniform
     from the row's generator per step), stopping at a stop token or the length."""
     kinds = [
@@ -101,6 +102,7 @@ def test_decoding_matches_a_loop_drawing_once_per_step(model: Any, dataset: Prom
         SamplingParams(n=1, max_new_tokens=2 * _UNIFORM_BLOCK + 3, top_p=0.7, temperature=0.8),
         SamplingParams(n=1, max_new_tokens=_UNIFORM_BLOCK + 1, temperature=1.3),
         SamplingParams(n=1, max_new_tokens=9, stop_token_ids=(TOK.eos_id, 5)),
+        SamplingParams(n=1, max_new_tokens=150),  # past the first 64-step token buffer
     ]
     length = len(dataset.prompt_ids(0))
     prompts = [p for i in range(len(dataset)) if len(p := dataset.prompt_ids(i)) == length][:10]
