@@ -93,9 +93,9 @@ def test_batched_rows_are_bitwise_identical_to_single_groups(
 def test_decoding_matches_a_loop_drawing_once_per_step(model: Any, dataset: PromptDataset) -> None:
     """generate_rows over a batch of mixed settings (greedy, top-p, temperatures, stop
     tokens, lengths past one block of uniforms and past the token buffer's first width)
-    equals, bit for bit, a plain loop per row:
-    its KV cache in a batch of 4 copies, one ``draw_tokens`` call per step (one uniform
-    from the row's generator per step), stopping at a stop token or the length."""
+    equals, bit for bit, a plain loop per row: its KV cache in a batch of 4 copies, one
+    ``draw_tokens`` call per step (one uniform from the row's generator per step),
+    stopping at a stop token or the length."""
     kinds = [
         SamplingParams(n=1, max_new_tokens=12, stop_token_ids=(TOK.eos_id,)),
         SamplingParams(n=1, max_new_tokens=5, temperature=0.0),

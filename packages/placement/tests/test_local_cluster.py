@@ -57,7 +57,7 @@ def test_starts_a_loopback_cluster_with_logical_gpus(local_ray: LocalRay) -> Non
     assert len(gpus) == 1 and gpus[0] in (0, 1, 2, 3)
     # idle_workers=False: the workers Ray started (as the driver connected, and for the
     # task) exit once idle for a second; Ray's default keeps them for later tasks
-    assert _workers_over(15.0, until_none=True) == [], "idle workers stayed"
+    assert _workers_left_after(15.0) == [], "idle workers stayed"
 
 
 def _python_workers() -> list[str]:
@@ -78,15 +78,12 @@ def _python_workers() -> list[str]:
     return found
 
 
-def _workers_over(seconds: float, *, until_none: bool) -> list[str]:
-    """Poll :func:`_python_workers` for up to ``seconds`` until it is empty (``until_none``)
-    or not; the last list."""
+def _workers_left_after(seconds: float) -> list[str]:
+    """Poll :func:`_python_workers` until none is left, for up to ``seconds``; what is left."""
     deadline = time.monotonic() + seconds
-    while True:
-        found = _python_workers()
-        if bool(found) != until_none or time.monotonic() > deadline:
-            return found
+    while (found := _python_workers()) and time.monotonic() < deadline:
         time.sleep(0.1)
+    return found
 
 
 def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
