@@ -69,7 +69,7 @@ def draw_tokens(
     rows = len(generators)
     table = _ParamTable([params] * rows if isinstance(params, SamplingParams) else list(params))
     uniforms = torch.zeros(rows, dtype=torch.float64)
-    for i in table.sampled_rows:
+    for i in torch.nonzero(table.sampled)[:, 0].tolist():
         uniforms[i] = torch.rand((), generator=generators[i], dtype=torch.float64)
     tokens, chosen = table.draw(logits, torch.arange(rows), uniforms)
     return [int(t) for t in tokens.tolist()], [float(x) for x in chosen.tolist()]
@@ -81,7 +81,6 @@ class _ParamTable:
     def __init__(self, params: Sequence[SamplingParams]) -> None:
         self.scale = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
         self.sampled = torch.tensor([p.temperature > 0.0 for p in params], dtype=torch.bool)
-        self.sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
         self.max_new = torch.tensor([p.max_new_tokens for p in params])
         width = max((len(p.stop_token_ids) for p in params), default=0)
@@ -161,7 +160,7 @@ def generate_rows(
     past, logits = _forward(model, ids, None)
     history = _History(rows, max(p.max_new_tokens for p in params))
     uniforms = torch.zeros(rows, _UNIFORM_BLOCK, dtype=torch.float64)
-    samples: list[SampleOutput | None] = [None] * rows
+    finished: dict[int, SampleOutput] = {}  # row -> its sample, as rows finish
     step = 0
     while True:
         live = [k for k, r in enumerate(slots) if r >= 0]
@@ -178,11 +177,10 @@ def generate_rows(
         feed[live] = drawn
         for i in torch.nonzero(done)[:, 0].tolist():  # in batch order, as they finish
             r = slots[live[i]]
-            sample = history.sample(r, step, "stop" if bool(stopped[i]) else "length")
-            samples[r] = sample
+            finished[r] = history.sample(r, step, "stop" if bool(stopped[i]) else "length")
             slots[live[i]] = -1
             if on_finish is not None:
-                on_finish(r, sample)
+                on_finish(r, finished[r])
         keep = [k for k, r in enumerate(slots) if r >= 0]
         if not keep:
             break
@@ -195,8 +193,7 @@ def generate_rows(
             slots = [slots[k] for k in keep]
             feed = feed[keep]
         past, logits = _forward(model, feed[:, None].to(device), past)
-    assert all(s is not None for s in samples)
-    return samples  # type: ignore[return-value]
+    return [finished[r] for r in range(rows)]
 
 
 class _History:
