@@ -28,10 +28,10 @@ def test_default_config_is_valid_and_streams() -> None:
 @pytest.mark.parametrize(
     ("overrides", "per_call"),
     [
-        pytest.param([], 4, id="embedded"),
+        pytest.param([], 16, id="embedded"),
         pytest.param(["rollout.decode_delay_s=0.1"], 1, id="emulated-device"),
         pytest.param(["rollout.engine=sglang"], 1, id="sglang"),
-        pytest.param(["rollout.groups_per_call=16"], 16, id="given"),
+        pytest.param(["rollout.groups_per_call=8"], 8, id="given"),
         pytest.param(["rollout.groups_per_call=1"], 1, id="given-one"),
     ],
 )

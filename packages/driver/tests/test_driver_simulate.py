@@ -62,7 +62,7 @@ def test_fit_reproduces_the_measured_step_time() -> None:
     ("rollout", "per_call"),
     [
         pytest.param({}, 1, id="recorded-before-the-key"),
-        pytest.param({"groups_per_call": None}, 4, id="null-embedded"),
+        pytest.param({"groups_per_call": None}, 16, id="null-embedded"),
         pytest.param({"groups_per_call": None, "decode_delay_s": 0.1}, 1, id="null-delay"),
         pytest.param({"groups_per_call": 8}, 8, id="given"),
     ],

@@ -58,10 +58,14 @@ def freeze(section: _Section) -> None:
     object.__setattr__(section, "_frozen", True)
 
 
-#: ``rollout.groups_per_call: null`` with the embedded engine. On the built-in task (2
-#: cores) a step took 0.47 s with one group per call, 0.45 s with 4 and 0.44 s with 16;
-#: 4 keeps chunks of 16 groups (``min_groups_for_streaming_train``) four calls apart.
-EMBEDDED_GROUPS_PER_CALL = 4
+#: ``rollout.groups_per_call: null`` with the embedded engine. Its calls' CPU (a Ray task,
+#: a thread in the engine, a result to collect) is the trainers': on the built-in task (2
+#: cores, interleaved 50-step runs) 16 groups per call cost 0.53-0.54 CPU-s a step in all
+#: processes against 0.55-0.57 with 4 (the driver 0.037 against 0.048, the engine 0.047
+#: against 0.057), and 64 no less than 16. With the default blocks
+#: (``min_groups_for_streaming_train`` 16, dispatch order) a call is one block: no block
+#: waits for another's groups.
+EMBEDDED_GROUPS_PER_CALL = 16
 
 
 def generation_on_shared_cores(*, engine: str, decode_delay_s: float) -> bool:
