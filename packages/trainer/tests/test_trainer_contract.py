@@ -879,8 +879,7 @@ def test_torch_adamw_is_the_fused_kernel_and_steps_as_torchs_loop() -> None:
     params = {k: torch.nn.Parameter(v) for k, v in start.items()}
     for name, p in params.items():
         p.grad = step.grads[name].clone()
-    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), config.max_grad_norm)
-    assert float(norm) == pytest.approx(step.metrics["actor/grad_norm"], rel=1e-5)
+    torch.nn.utils.clip_grad_norm_(list(params.values()), config.max_grad_norm)
     reference = torch.optim.AdamW(
         list(params.values()), lr=lr, betas=config.betas, eps=config.adam_eps,
         weight_decay=config.weight_decay, foreach=False,
