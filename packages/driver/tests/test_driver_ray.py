@@ -27,6 +27,7 @@ from driver_testlib import TINY_RUN, assert_identical_checkpoint, assert_same_ch
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.pump import InjectedFailure
 from ppo_driver.run import train
+from ppo_driver.workers import WORKER_ENV
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -56,7 +57,8 @@ def _cfg(*extra: str) -> DriverConfig:
 def ray_cluster() -> Iterator[None]:
     from ppo_placement import shutdown_local_ray, start_local_ray
 
-    start_local_ray(num_gpus=2, num_cpus=4)
+    # as the driver starts its own (ppo_driver._cluster): every process in WORKER_ENV
+    start_local_ray(num_gpus=2, num_cpus=4, worker_env=WORKER_ENV)
     yield
     shutdown_local_ray()
 
@@ -69,14 +71,54 @@ def streaming_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
     logging.getLogger("ppo_driver").addHandler(handler)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    environ: dict[str, dict[str, str]] = {}
+
+    def rank_environments(report: object) -> None:  # at each step: the ranks are alive
+        for role, pid in PROCESS_RE.findall(" ".join(handler.lines)):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = f.read().decode(errors="replace").split("\0")
+            environ[role] = dict(p.split("=", 1) for p in pairs if "=" in p)
+
     try:
-        result = train(_cfg(), run_dir=run_dir, keep_ray=True)
+        result = train(_cfg(), run_dir=run_dir, keep_ray=True, on_step=rank_environments)
         # the driver runs with one intra-op thread, and gives the caller's setting back
         assert torch.get_num_threads() == 2, "train() did not restore torch's thread count"
     finally:
         torch.set_num_threads(threads)
         logging.getLogger("ppo_driver").removeHandler(handler)
+    STREAMING_ENV.update(environ)
     return run_dir, handler.lines, result
+
+
+#: The environment each rank's process started with, by role (filled by streaming_run).
+STREAMING_ENV: dict[str, dict[str, str]] = {}
+PROCESS_RE = re.compile(r"(actor|critic) rank 0 pid (\d+)")
+
+
+def test_rank_processes_start_with_the_worker_env(
+    streaming_run: tuple[Path, list[str], object],
+) -> None:
+    # The module's cluster has WORKER_ENV in every process, so the ranks carry no
+    # runtime_env (one would give each a new process) and still start with it.
+    assert sorted(STREAMING_ENV) == ["actor", "critic"]
+    for role, env in STREAMING_ENV.items():
+        assert {k: env.get(k) for k in WORKER_ENV} == WORKER_ENV, role
+
+
+def test_rank_runtime_env_adds_only_what_the_cluster_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ppo_driver import workers
+
+    monkeypatch.setattr(workers, "local_worker_env", lambda: dict(WORKER_ENV))
+    assert workers._runtime_env() == {}
+    partial = {k: v for k, v in WORKER_ENV.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    monkeypatch.setattr(workers, "local_worker_env", lambda: {**partial, "OMP_NUM_THREADS": "4"})
+    assert workers._runtime_env() == {
+        "runtime_env": {"env_vars": {"THP_MEM_ALLOC_ENABLE": "1", "OMP_NUM_THREADS": "1"}}
+    }
+    monkeypatch.setattr(workers, "local_worker_env", dict)  # a joined cluster: everything
+    assert workers._runtime_env() == {"runtime_env": {"env_vars": WORKER_ENV}}
 
 
 class _ListHandler(logging.Handler):

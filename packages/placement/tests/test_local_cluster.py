@@ -13,20 +13,31 @@ import ray
 from ppo_placement import (
     LocalRay,
     SharedPlacement,
+    local_worker_env,
     placement_layout,
     shutdown_local_ray,
     start_local_ray,
 )
+from ppo_placement import _placement as placement_module
 from ppo_placement._ray_processes import _descendants_started_after
 from ray.util import placement_group_table
 
 Where = Callable[..., list[dict[str, Any]]]
+# What every process of the module's cluster starts with (start_local_ray's worker_env).
+WORKER_ENV = {"PPO_PLACEMENT_TEST_ENV": "worker", "PPO_PLACEMENT_TEST_SHADOWED": "worker"}
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[LocalRay]:
     shutdown_local_ray()
-    info = start_local_ray(num_cpus=4, num_gpus=4, log_to_driver=False)
+    os.environ["PPO_PLACEMENT_TEST_SHADOWED"] = "driver"
+    try:
+        info = start_local_ray(num_cpus=4, num_gpus=4, log_to_driver=False, worker_env=WORKER_ENV)
+    finally:
+        shadowed = os.environ.pop("PPO_PLACEMENT_TEST_SHADOWED")
+    # the driver's own environment is as it was: the variable it had kept its value,
+    # the one it had not is not set
+    assert shadowed == "driver" and "PPO_PLACEMENT_TEST_ENV" not in os.environ
     try:
         yield info
     finally:
@@ -87,10 +98,33 @@ def _workers_left_after(seconds: float) -> list[str]:
 
 
 def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
-    again = start_local_ray(num_gpus=1)
+    again = start_local_ray(num_gpus=1, worker_env={"PPO_PLACEMENT_TEST_ENV": "ignored"})
     assert not again.started and again.attempts == 0
     assert again.address == local_ray.address
     assert again.session_dir == local_ray.session_dir
+    # what the running cluster was started with, not what the second call asked for
+    assert again.worker_env == local_ray.worker_env == WORKER_ENV == local_worker_env()
+
+
+def test_workers_start_with_the_worker_env(local_ray: LocalRay) -> None:
+    names = sorted(WORKER_ENV)
+
+    @ray.remote(num_cpus=0)
+    def task_env() -> list[str | None]:
+        return [os.environ.get(k) for k in names]
+
+    @ray.remote(num_cpus=0)
+    class ActorEnv:
+        def env(self) -> list[str | None]:
+            return [os.environ.get(k) for k in names]
+
+    expected = [WORKER_ENV[k] for k in names]
+    assert ray.get(task_env.remote(), timeout=120) == expected
+    actor = ActorEnv.remote()  # type: ignore[attr-defined]
+    try:
+        assert ray.get(actor.env.remote(), timeout=120) == expected
+    finally:
+        ray.kill(actor)
 
 
 def test_reuse_refuses_a_cluster_with_too_few_gpus(local_ray: LocalRay) -> None:
@@ -168,6 +202,42 @@ def test_create_and_teardown_are_idempotent(local_ray: LocalRay) -> None:
     placement.create()
     assert len(placement.bundles) == 4
     placement.teardown()
+
+
+def _no_probe() -> tuple[str, str, list[str]]:
+    raise AssertionError("a probe task ran")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "gpu_ids"),
+    [
+        ({"probe_gpu_ids": False}, [None, None, None]),  # logical GPUs naming no device
+        ({"bundle_resources": {"CPU": 1.0}}, [None, None, None]),  # no GPUs in the bundles
+    ],
+)
+def test_bundles_are_found_without_a_probe_task_where_no_gpu_id_is_needed(
+    local_ray: LocalRay,
+    where: Where,
+    monkeypatch: pytest.MonkeyPatch,
+    kwargs: dict[str, Any],
+    gpu_ids: list[int | None],
+) -> None:
+    # A probe task would run _no_probe, and fail in the worker (the message names the task).
+    monkeypatch.setattr(placement_module, "_probe", _no_probe)
+    layout = placement_layout(actor_gpus=2, rollout_gpus=1)
+    with SharedPlacement(layout, **kwargs) as placement:
+        bundles = placement.bundles
+        (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        assert [b.gpu_id for b in bundles] == gpu_ids
+        assert {(b.node_id, b.node_ip) for b in bundles} == {(node, "127.0.0.1")}
+        assert [b.bundle_index for b in bundles] == [0, 1, 2]  # Ray's order on one node
+        slots = [*placement.actor_view(), *placement.critic_view()]
+        for slot, report in zip(slots, where(slots), strict=True):
+            assert report["node_id"] == slot.node_id
+    # the same bundles with the probe (the default) do run it
+    if "probe_gpu_ids" in kwargs:
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"ppo_placement\.probe\[0\]"):
+            SharedPlacement(layout).create()
 
 
 def test_nothing_local_reserves_nothing(local_ray: LocalRay) -> None:

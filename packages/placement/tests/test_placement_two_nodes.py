@@ -80,3 +80,22 @@ def test_ranks_fill_a_node_before_the_next(two_nodes: LocalRay, where_actors_run
         for slot, report in zip(slots, reports, strict=True):
             assert report["node_id"] == slot.node_id, slot
             assert report["gpu_ids"] == [slot.gpu_id], slot
+
+
+def test_bundles_without_gpu_ids_find_their_nodes(
+    two_nodes: LocalRay, where_actors_run: Where
+) -> None:
+    # No probe task (probe_gpu_ids=False): each bundle's node comes from Ray's
+    # placement group table, and the ranks still fill a node before the next.
+    layout = placement_layout(actor_gpus=6, rollout_gpus=2)
+    with SharedPlacement(layout, strategy="PACK", probe_gpu_ids=False) as placement:
+        bundles = placement.bundles
+        nodes = [b.node_id for b in bundles]
+        first, second = nodes[0], nodes[4]
+        assert first < second and nodes == [first] * 4 + [second] * 4
+        assert [b.gpu_id for b in bundles] == [None] * 8
+        actor, critic = placement.actor_view(), placement.critic_view()
+        assert actor.node_boundaries == (range(0, 4), range(4, 6))
+        slots = [actor[3], critic[3], actor[4], critic[4]]
+        for slot, report in zip(slots, where_actors_run(slots), strict=True):
+            assert report["node_id"] == slot.node_id, slot

@@ -22,6 +22,7 @@ from ppo_driver.config import (
     local_num_cpus,
 )
 from ppo_driver.startup import StartupError
+from ppo_driver.workers import WORKER_ENV
 
 log = logging.getLogger("ppo_driver")
 
@@ -32,21 +33,28 @@ def _connect_cluster(
     *,
     keep_ray: bool,
     on_exit: Callable[[str, Callable[[], object]], None],
-) -> None:
+) -> bool:
     """``cluster.address`` null: start a local Ray cluster with the layout's (logical)
-    GPUs, shut down at the end. Else join the existing cluster there; at the end the
-    driver only disconnects (``ray.shutdown()`` in a joined driver stops nothing of the
-    cluster): it never tears down a cluster it did not start."""
+    GPUs, its processes in the worker environment (:data:`WORKER_ENV`), shut down at
+    the end. Else join the existing cluster there; at the end the driver only
+    disconnects (``ray.shutdown()`` in a joined driver stops nothing of the cluster): it
+    never tears down a cluster it did not start.
+
+    Returns whether the cluster's GPU ids can name devices: ``False`` for a local
+    cluster on a machine without CUDA devices, whose GPUs are logical only (the
+    placement then starts no probe task to learn them)."""
     started_here = not ray.is_initialized()
     address = cfg.cluster.address
     if address is None:
         if started_here and not keep_ray:
             on_exit("ray.shutdown", ray.shutdown)
+        devices = cuda_device_count()
         start_local_ray(
-            num_gpus=layout.num_gpus if cfg.cluster.logical_gpus else cuda_device_count(),
+            num_gpus=layout.num_gpus if cfg.cluster.logical_gpus else devices,
             num_cpus=local_num_cpus(cfg, layout),
+            worker_env=WORKER_ENV,
         )
-        return
+        return devices > 0
     try:
         joined = join_ray(address)
     except (ValueError, RayJoinError) as exc:
@@ -73,6 +81,7 @@ def _connect_cluster(
         gpus,
         cpus,
     )
+    return True
 
 
 def _where(placement: SharedPlacement) -> str:

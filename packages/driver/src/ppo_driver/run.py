@@ -332,12 +332,12 @@ def _build(
     if workload is None:  # before Ray: data, tokenizer and reward errors stop here
         workload = load_workload(cfg)
     layout = cluster_layout(cfg)
-    _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
+    gpu_devices = _connect_cluster(cfg, layout, keep_ray=keep_ray, on_exit=on_exit)
     log.info("start-up: Ray up after %.1f s", time.perf_counter() - t0)
 
     actor_cfg, critic_cfg = trainer_configs(cfg, vocab_size=workload.tokenizer.vocab_size)
-    try:
-        placement = SharedPlacement(layout).create()  # actor rank r and critic rank r: bundle r
+    try:  # actor rank r and critic rank r: bundle r
+        placement = SharedPlacement(layout, probe_gpu_ids=gpu_devices).create()
     except TimeoutError as exc:  # resources taken by others on a joined cluster
         raise StartupError(f"cluster: {exc}") from None
     on_exit("placement teardown", placement.teardown)

@@ -33,7 +33,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 import ray
 import torch
 from ppo_lifecycle import Action, Part, Transition
-from ppo_placement import Slot
+from ppo_placement import Slot, local_worker_env
 from ppo_trainer import ActorConfig, ActorWorker, CriticConfig, CriticWorker, Mesh, ModelSpec
 from torch import Tensor
 
@@ -53,7 +53,9 @@ __all__ = [
     "shard_rows",
 ]
 
-_WORKER_ENV = {
+#: The environment of the training ranks' processes (and, in a local cluster the driver
+#: starts, of every Ray process: start_local_ray's ``worker_env``).
+WORKER_ENV = {
     # One compute thread per worker process: actor, critic and engines share few cores.
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -332,6 +334,16 @@ def _preload_build_modules(spec: ModelSpec) -> None:
     transformers.AutoModelForTokenClassification  # noqa: B018
 
 
+def _runtime_env() -> dict[str, Any]:
+    """A rank's ``runtime_env`` option: the :data:`WORKER_ENV` variables its process
+    would not inherit from the cluster. None when the driver started the cluster with
+    them (then the rank can take one of the workers Ray starts ahead; an actor with
+    a ``runtime_env`` of its own always gets a new process)."""
+    have = local_worker_env()
+    missing = {k: v for k, v in WORKER_ENV.items() if have.get(k) != v}
+    return {"runtime_env": {"env_vars": missing}} if missing else {}
+
+
 class _Host:
     """The per-rank Ray actor body: builds the trainer worker and forwards calls."""
 
@@ -427,7 +439,7 @@ class TrainGroup(Generic[W]):
         self.handles: list[Any] = [
             remote_cls.options(
                 **slot.actor_options(),
-                runtime_env={"env_vars": dict(_WORKER_ENV)},
+                **_runtime_env(),
                 max_concurrency=1,
             ).remote(worker_cls, config, rank, self.world_size, log_file)
             for rank, slot in enumerate(slots)

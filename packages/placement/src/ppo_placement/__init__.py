@@ -23,7 +23,13 @@ from ppo_placement._ray_join import (
     join_ray,
     parse_cluster_address,
 )
-from ppo_placement._ray_start import LocalRay, RayStartError, shutdown_local_ray, start_local_ray
+from ppo_placement._ray_start import (
+    LocalRay,
+    RayStartError,
+    local_worker_env,
+    shutdown_local_ray,
+    start_local_ray,
+)
 
 __version__ = "0.3.0"
 
@@ -44,6 +50,7 @@ __all__ = [
     "cluster_address_problem",
     "join_ray",
     "layout_problems",
+    "local_worker_env",
     "parse_cluster_address",
     "placement_layout",
     "shutdown_local_ray",

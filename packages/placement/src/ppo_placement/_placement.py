@@ -2,9 +2,10 @@
 
 ``SharedPlacement`` reserves ``layout.num_gpus`` bundles in ONE placement group, finds
 out on which node and which GPU each bundle landed (a tiny task per bundle reports
-``(node IP, node id, ray.get_gpu_ids())``), and orders the bundles by node IP (as
-numbers), node, then GPU id (as an integer, so GPU 10 sorts after GPU 2). Ranks
-therefore fill a node before the next one. Views hand the ordered bundles to the roles:
+``(node IP, node id, ray.get_gpu_ids())``; bundles without GPUs, or whose GPU ids the
+caller does not need, are looked up in the placement group table instead, starting no
+process), and orders the bundles by node IP (as numbers), node, then GPU id (as an
+integer, so GPU 10 sorts after GPU 2). Ranks therefore fill a node before the next one. Views hand the ordered bundles to the roles:
 actor rank r and critic rank r get the SAME bundle (with GPU shares that fit together),
 rollout engines get the bundles from ``layout.rollout_offset`` on.
 """
@@ -49,7 +50,8 @@ class Bundle:
         node_id: hex id of the node holding it.
         node_ip: that node's IP address.
         gpu_id: the GPU id it holds on that node (``ray.get_gpu_ids()`` of a task in
-            it; an ``int`` when numeric), or ``None`` for a bundle without GPUs.
+            it; an ``int`` when numeric), or ``None`` for a bundle without GPUs (or
+            when the placement was made with ``probe_gpu_ids=False``).
     """
 
     index: int
@@ -180,6 +182,12 @@ class SharedPlacement:
             actor 0.4 + critic 0.4 + rollout 0.2. Roles on one bundle must fit in 1.0.
         name: placement group name (empty: anonymous).
         ready_timeout_s: how long ``create()`` waits for the reservation.
+        probe_gpu_ids: learn each GPU bundle's GPU id with a tiny task inside it (only
+            a process in a bundle learns it), and order the bundles of a node by it.
+            ``False``, for GPUs that name no device (logical GPUs on a machine without
+            CUDA): no task runs, the bundles of a node keep Ray's bundle order and
+            ``gpu_id`` is ``None``. Bundles without GPUs never need the probe: their
+            nodes come from Ray's placement group table.
 
     Raises:
         ValueError: bad resources, strategy or shares.
@@ -194,6 +202,7 @@ class SharedPlacement:
         gpu_shares: Mapping[str, float] | None = None,
         name: str = "",
         ready_timeout_s: float = 300.0,
+        probe_gpu_ids: bool = True,
     ) -> None:
         resources = dict(bundle_resources) if bundle_resources is not None else None
         if resources is None:
@@ -217,6 +226,7 @@ class SharedPlacement:
         self._shares = _check_shares(layout, gpu_shares)
         self._name = name
         self._ready_timeout_s = ready_timeout_s
+        self._probe_gpu_ids = probe_gpu_ids
         self._pg: PlacementGroup | None = None
         self._bundles: tuple[Bundle, ...] = ()
         self._created = False
@@ -263,7 +273,10 @@ class SharedPlacement:
                 "(start Ray with more GPUs/CPUs or ask for fewer bundles)"
             ) from None
         try:
-            self._bundles = _discover(pg, self._resources, self._ready_timeout_s)
+            if self._probe_gpu_ids and self._resources.get("GPU", 0.0) > 0:
+                self._bundles = _discover(pg, self._resources, self._ready_timeout_s)
+            else:
+                self._bundles = _look_up(pg)
         except BaseException:
             remove_placement_group(pg)
             raise
@@ -417,6 +430,20 @@ def _discover(
         (i, ip, node_id, gpus) for i, (ip, node_id, gpus) in enumerate(found)
     ]
     return order_bundles(raw)
+
+
+def _look_up(pg: PlacementGroup) -> tuple[Bundle, ...]:
+    """The bundles' nodes from Ray's placement group table (no GPU ids): no process
+    starts, where a probe task per bundle starts (or takes) a worker process each."""
+    import ray
+    from ray.util import placement_group_table
+
+    node_of: Mapping[int, str] = placement_group_table(pg)["bundles_to_node_id"]
+    ip_of = {
+        n["NodeID"]: n["NodeManagerAddress"]
+        for n in ray.nodes()  # type: ignore[no-untyped-call]
+    }
+    return order_bundles([(i, ip_of[node_of[i]], node_of[i], []) for i in range(pg.bundle_count)])
 
 
 def order_bundles(raw: list[tuple[int, str, str, list[str]]]) -> tuple[Bundle, ...]:

@@ -13,6 +13,9 @@ not stop a 40 s-slow agent from failing the start). :func:`start_local_ray` ther
 * binds every Ray process to the loopback interface (127.0.0.1), keeps the dashboard and
   usage stats off, turns off Ray's ``uv run`` worker wrapping, and raises the timeouts
   Ray does read from ``RAY_*`` variables (only where the caller has not set them);
+* starts the cluster's processes with the caller's ``worker_env`` (every worker inherits
+  the raylet's environment), so that actors needing those variables can run in the
+  workers Ray starts ahead instead of each starting a process of its own;
 * byte-compiles / warms the agents' imports when they look cold, and again before a retry;
 * retries a failed start (after killing and reaping what the failed attempt left);
 * and, when every attempt failed, raises :class:`RayStartError` quoting the raylet's
@@ -21,6 +24,7 @@ not stop a 40 s-slow agent from failing the start). :func:`start_local_ray` ther
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -28,7 +32,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -42,7 +46,14 @@ from ppo_placement._ray_processes import (
     session_dirs,
 )
 
-__all__ = ["LocalRay", "RayStartError", "describe", "shutdown_local_ray", "start_local_ray"]
+__all__ = [
+    "LocalRay",
+    "RayStartError",
+    "describe",
+    "local_worker_env",
+    "shutdown_local_ray",
+    "start_local_ray",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -52,6 +63,8 @@ _AGENT_MODULES = ("ray.dashboard.agent", "ray._private.runtime_env.agent.main")
 _warmed = False
 #: The multi-node cluster started by start_local_ray(nodes > 1), if any.
 _cluster: Any = None
+#: (session name, worker_env) of the cluster start_local_ray last started.
+_started_env: tuple[str, dict[str, str]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +78,9 @@ class LocalRay:
         started: ``False`` when Ray was already initialised and was reused as is.
         attempts: how many ``ray.init`` calls it took (0 when reused).
         startup_s: wall-clock seconds spent in this call.
+        worker_env: the variables every process of the cluster was started with
+            (``start_local_ray``'s ``worker_env``; empty for a cluster started
+            elsewhere).
     """
 
     address: str
@@ -73,6 +89,7 @@ class LocalRay:
     started: bool
     attempts: int
     startup_s: float
+    worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class RayStartError(RuntimeError):
@@ -99,6 +116,7 @@ def start_local_ray(
     warm_imports: bool | None = None,
     nodes: int = 1,
     idle_workers: bool = False,
+    worker_env: Mapping[str, str] | None = None,
 ) -> LocalRay:
     """Start a fresh local Ray cluster bound to 127.0.0.1, or reuse the one already up.
 
@@ -134,6 +152,14 @@ def start_local_ray(
             which the workers Ray starts as the driver connects serve) the pool only
             idled: 1 % of a core per worker for the whole run. Without it a task after
             an idle second waits for a new worker (about 0.5 s).
+        worker_env: environment variables of every process the cluster starts (its
+            workers inherit them from the raylet); this process's own environment is
+            left as it was. Unlike an actor's ``runtime_env={"env_vars": ...}`` (whose
+            actor Ray starts a process of its own for), the workers Ray starts ahead
+            of time (one per CPU as the driver connects) carry them too, so an actor
+            created soon after (within the idle second above) takes one of those.
+            Ignored when the cluster was already running: :func:`local_worker_env`
+            says what that one has.
 
     Returns:
         A :class:`LocalRay` record (address, session directory, timing).
@@ -154,7 +180,8 @@ def start_local_ray(
     if not idle_workers:  # the head node's, for the cluster
         node_args["_system_config"] = {"num_workers_soft_limit": 0}
     _warm_if_cold(warm_imports)
-    start = partial(_start_ray, nodes, node_args, log_to_driver, namespace)
+    env = dict(worker_env or {})
+    start = partial(_start_ray, nodes, node_args, log_to_driver, namespace, env)
     return _start_with_retries(start, attempts=attempts, t_start=t_start)
 
 
@@ -194,25 +221,60 @@ def _warm_if_cold(warm_imports: bool | None) -> None:
 
 
 def _start_ray(
-    nodes: int, node_args: dict[str, Any], log_to_driver: bool, namespace: str | None
+    nodes: int,
+    node_args: dict[str, Any],
+    log_to_driver: bool,
+    namespace: str | None,
+    worker_env: dict[str, str],
 ) -> None:
-    """One attempt: ``ray.init`` of a new one-node cluster, or ``nodes`` nodes."""
+    """One attempt: ``ray.init`` of a new one-node cluster, or ``nodes`` nodes, whose
+    processes start with ``worker_env`` in their environment."""
+    global _started_env
     import ray
 
     if "_system_config" in node_args:  # ray.init adds this attempt's spill directory to it
         node_args = {**node_args, "_system_config": dict(node_args["_system_config"])}
-    if nodes == 1:
-        ray.init(
-            address="local",
-            **node_args,
-            log_to_driver=log_to_driver,
-            namespace=namespace,
-            _node_ip_address="127.0.0.1",
-        )
-    else:
-        _start_cluster(
-            nodes=nodes, node_args=node_args, log_to_driver=log_to_driver, namespace=namespace
-        )
+    with _environment(worker_env):  # the GCS and raylet copy it; workers inherit it
+        if nodes == 1:
+            ray.init(
+                address="local",
+                **node_args,
+                log_to_driver=log_to_driver,
+                namespace=namespace,
+                _node_ip_address="127.0.0.1",
+            )
+        else:
+            _start_cluster(
+                nodes=nodes, node_args=node_args, log_to_driver=log_to_driver, namespace=namespace
+            )
+    _started_env = (ray.get_runtime_context().get_session_name(), worker_env)
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` for the block, then the variables as they were."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def local_worker_env() -> dict[str, str]:
+    """The ``worker_env`` that :func:`start_local_ray` started the cluster this process
+    is connected to with; empty when not connected, or connected to a cluster started
+    otherwise (``ray.init`` elsewhere, a joined cluster)."""
+    import ray
+
+    if _started_env is None or not ray.is_initialized():
+        return {}
+    session, env = _started_env
+    return dict(env) if ray.get_runtime_context().get_session_name() == session else {}
 
 
 def _start_with_retries(start: Callable[[], None], *, attempts: int, t_start: float) -> LocalRay:
@@ -253,7 +315,8 @@ def _attempt(start: Callable[[], None], attempt: int) -> str | None:
 
 def shutdown_local_ray() -> None:
     """Disconnect from and stop the local Ray cluster; a no-op when Ray is not running."""
-    global _cluster
+    global _cluster, _started_env
+    _started_env = None
     if "ray" not in sys.modules and _cluster is None:
         return  # Ray never imported: nothing can be running
     import ray
@@ -325,6 +388,7 @@ def describe(*, started: bool, attempts: int, t_start: float) -> LocalRay:
         started=started,
         attempts=attempts,
         startup_s=time.perf_counter() - t_start,
+        worker_env=local_worker_env(),
     )
 
 
