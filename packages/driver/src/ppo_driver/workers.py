@@ -336,9 +336,9 @@ def _preload_build_modules(spec: ModelSpec) -> None:
 
 def _runtime_env() -> dict[str, Any]:
     """A rank's ``runtime_env`` option: the :data:`WORKER_ENV` variables its process
-    would not inherit from the cluster. None when the driver started the cluster with
-    them (then the rank can take one of the workers Ray starts ahead; an actor with
-    a ``runtime_env`` of its own always gets a new process)."""
+    would not inherit from the cluster. Empty when the driver started the cluster with
+    them: then the rank can take one of the workers Ray starts ahead (an actor with a
+    ``runtime_env`` of its own always gets a new process)."""
     have = local_worker_env()
     missing = {k: v for k, v in WORKER_ENV.items() if have.get(k) != v}
     return {"runtime_env": {"env_vars": missing}} if missing else {}

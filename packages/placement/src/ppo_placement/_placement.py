@@ -5,9 +5,10 @@ out on which node and which GPU each bundle landed (a tiny task per bundle repor
 ``(node IP, node id, ray.get_gpu_ids())``; bundles without GPUs, or whose GPU ids the
 caller does not need, are looked up in the placement group table instead, starting no
 process), and orders the bundles by node IP (as numbers), node, then GPU id (as an
-integer, so GPU 10 sorts after GPU 2). Ranks therefore fill a node before the next one. Views hand the ordered bundles to the roles:
-actor rank r and critic rank r get the SAME bundle (with GPU shares that fit together),
-rollout engines get the bundles from ``layout.rollout_offset`` on.
+integer, so GPU 10 sorts after GPU 2). Ranks therefore fill a node before the next one.
+Views hand the ordered bundles to the roles: actor rank r and critic rank r get the SAME
+bundle (with GPU shares that fit together), rollout engines get the bundles from
+``layout.rollout_offset`` on.
 """
 
 from __future__ import annotations
