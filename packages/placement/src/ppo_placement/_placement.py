@@ -275,7 +275,7 @@ class SharedPlacement:
             ) from None
         try:
             if self._probe_gpu_ids and self._resources.get("GPU", 0.0) > 0:
-                self._bundles = _discover(pg, self._resources, self._ready_timeout_s)
+                self._bundles = _discover(pg, self._ready_timeout_s)
             else:
                 self._bundles = _look_up(pg)
         except BaseException:
@@ -401,20 +401,12 @@ def _probe() -> tuple[str, str, list[str]]:
     )
 
 
-def _discover(
-    pg: PlacementGroup, resources: Mapping[str, float], timeout_s: float
-) -> tuple[Bundle, ...]:
+def _discover(pg: PlacementGroup, timeout_s: float) -> tuple[Bundle, ...]:
+    """The bundles of GPUs, probed: a task holding a sliver of each bundle's GPU reports
+    where it ran (only a process in a bundle learns its GPU id)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    request: dict[str, Any]
-    if resources.get("GPU", 0.0) > 0:
-        request = {"num_gpus": _PROBE_SHARE, "num_cpus": 0}
-    elif resources.get("CPU", 0.0) > 0:
-        request = {"num_gpus": 0, "num_cpus": _PROBE_SHARE}
-    else:  # custom resources only
-        first = next(k for k, v in resources.items() if v > 0)
-        request = {"num_gpus": 0, "num_cpus": 0, "resources": {first: _PROBE_SHARE}}
     probe = ray.remote(max_retries=0)(_probe)
     refs = [
         probe.options(
@@ -422,7 +414,8 @@ def _discover(
                 placement_group=pg, placement_group_bundle_index=i
             ),
             name=f"ppo_placement.probe[{i}]",
-            **request,
+            num_gpus=_PROBE_SHARE,
+            num_cpus=0,
         ).remote()
         for i in range(pg.bundle_count)
     ]
