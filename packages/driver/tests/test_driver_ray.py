@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,10 +56,15 @@ def _cfg(*extra: str) -> DriverConfig:
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
-    from ppo_placement import shutdown_local_ray, start_local_ray
+    from ppo_driver._cluster import _connect_cluster
+    from ppo_driver.config import cluster_layout
+    from ppo_placement import shutdown_local_ray
 
-    # as the driver starts its own (ppo_driver._cluster): every process in WORKER_ENV
-    start_local_ray(num_gpus=2, num_cpus=4, worker_env=WORKER_ENV)
+    # started by the driver's own start-up code (the runs below keep it), so the tests
+    # see the cluster a run gets: every process in WORKER_ENV, the workers at the
+    # driver's priority
+    cfg = _cfg()
+    _connect_cluster(cfg, cluster_layout(cfg), keep_ray=True, on_exit=lambda *_: None)
     yield
     shutdown_local_ray()
 
@@ -78,6 +84,8 @@ def streaming_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
             with open(f"/proc/{pid}/environ", "rb") as f:
                 pairs = f.read().decode(errors="replace").split("\0")
             environ[role] = dict(p.split("=", 1) for p in pairs if "=" in p)
+            with open(f"/proc/{pid}/stat") as f:  # field 19: the nice value
+                STREAMING_NICE[role] = int(f.read().rsplit(")", 1)[1].split()[16])
 
     try:
         result = train(_cfg(), run_dir=run_dir, keep_ray=True, on_step=rank_environments)
@@ -92,6 +100,8 @@ def streaming_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
 
 #: The environment each rank's process started with, by role (filled by streaming_run).
 STREAMING_ENV: dict[str, dict[str, str]] = {}
+#: Each rank process's nice value, by role (filled by streaming_run).
+STREAMING_NICE: dict[str, int] = {}
 PROCESS_RE = re.compile(r"(actor|critic) rank 0 pid (\d+)")
 
 
@@ -103,6 +113,13 @@ def test_rank_processes_start_with_the_worker_env(
     assert sorted(STREAMING_ENV) == ["actor", "critic"]
     for role, env in STREAMING_ENV.items():
         assert {k: env.get(k) for k in WORKER_ENV} == WORKER_ENV, role
+
+
+def test_rank_processes_run_at_the_drivers_priority(
+    streaming_run: tuple[Path, list[str], object],
+) -> None:
+    # Ray's default would start them 15 nice steps below the driver (capped at 19)
+    assert {"actor": os.nice(0), "critic": os.nice(0)} == STREAMING_NICE
 
 
 def test_rank_runtime_env_adds_only_what_the_cluster_lacks(

@@ -25,6 +25,9 @@ from ray.util import placement_group_table
 Where = Callable[..., list[dict[str, Any]]]
 # What every process of the module's cluster starts with (start_local_ray's worker_env).
 WORKER_ENV = {"PPO_PLACEMENT_TEST_ENV": "worker", "PPO_PLACEMENT_TEST_SHADOWED": "worker"}
+# How much lower than this process the module's workers run (the default, 0, is checked
+# on the two-node cluster of test_placement_two_nodes.py).
+WORKER_NICENESS = 3
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,13 @@ def local_ray() -> Iterator[LocalRay]:
     shutdown_local_ray()
     os.environ["PPO_PLACEMENT_TEST_SHADOWED"] = "driver"
     try:
-        info = start_local_ray(num_cpus=4, num_gpus=4, log_to_driver=False, worker_env=WORKER_ENV)
+        info = start_local_ray(
+            num_cpus=4,
+            num_gpus=4,
+            log_to_driver=False,
+            worker_env=WORKER_ENV,
+            worker_niceness=WORKER_NICENESS,
+        )
     finally:
         shadowed = os.environ.pop("PPO_PLACEMENT_TEST_SHADOWED")
     # the driver's own environment is as it was: the variable it had kept its value,
@@ -123,6 +132,25 @@ def test_workers_start_with_the_worker_env(local_ray: LocalRay) -> None:
     actor = ActorEnv.remote()  # type: ignore[attr-defined]
     try:
         assert ray.get(actor.env.remote(), timeout=120) == expected
+    finally:
+        ray.kill(actor)
+
+
+def test_workers_run_worker_niceness_below_this_process(local_ray: LocalRay) -> None:
+    @ray.remote(num_cpus=0)
+    def task_nice() -> int:
+        return os.nice(0)
+
+    @ray.remote(num_cpus=0)
+    class ActorNice:
+        def nice(self) -> int:
+            return os.nice(0)
+
+    expected = min(os.nice(0) + WORKER_NICENESS, 19)
+    assert ray.get(task_nice.remote(), timeout=120) == expected
+    actor = ActorNice.remote()  # type: ignore[attr-defined]
+    try:
+        assert ray.get(actor.nice.remote(), timeout=120) == expected
     finally:
         ray.kill(actor)
 

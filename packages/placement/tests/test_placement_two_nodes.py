@@ -7,6 +7,7 @@ bundle order falls back to the node id between nodes and to the GPU id within on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from ppo_placement import (
     shutdown_local_ray,
     start_local_ray,
 )
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 Where = Callable[..., list[dict[str, Any]]]
 
@@ -42,6 +44,20 @@ def test_two_nodes_are_up_and_reused(two_nodes: LocalRay) -> None:
     assert not start_local_ray(nodes=2, num_gpus=4).started
     with pytest.raises(ValueError, match=r"nodes=3: .* 2 node\(s\) of 4 GPU"):
         start_local_ray(nodes=3)
+
+
+def test_workers_of_every_node_run_at_this_process_priority(two_nodes: LocalRay) -> None:
+    # start_local_ray's default worker_niceness (0) reaches the second node's raylet too
+    @ray.remote(num_cpus=0)
+    def nice() -> tuple[str, int]:
+        return ray.get_runtime_context().get_node_id(), os.nice(0)
+
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    on = [
+        nice.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        for node in alive
+    ]
+    assert sorted(ray.get(on, timeout=120)) == [(node, os.nice(0)) for node in alive]
 
 
 def test_ranks_fill_a_node_before_the_next(two_nodes: LocalRay, where_actors_run: Where) -> None:

@@ -18,6 +18,9 @@ from ppo_placement import RayStartError, shutdown_local_ray, start_local_ray
         pytest.param({"num_cpus": 0}, "num_cpus=0", id="zero-cpus"),
         pytest.param({"attempts": 0}, "attempts=0", id="zero-attempts"),
         pytest.param({"nodes": 0}, "nodes=0", id="zero-nodes"),
+        pytest.param({"worker_niceness": -1}, "worker_niceness=-1", id="negative-niceness"),
+        pytest.param({"worker_niceness": 20}, "worker_niceness=20 .* 0 to 19", id="niceness-20"),
+        pytest.param({"worker_niceness": True}, "worker_niceness=True", id="bool-niceness"),
     ],
 )
 def test_bad_arguments_raise_before_starting_anything(kwargs: dict[str, int], match: str) -> None:

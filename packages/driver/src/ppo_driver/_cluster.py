@@ -53,6 +53,9 @@ def _connect_cluster(
             num_gpus=layout.num_gpus if cfg.cluster.logical_gpus else devices,
             num_cpus=local_num_cpus(cfg, layout),
             worker_env=WORKER_ENV,
+            # the ranks and engines at the driver's own priority (Ray's default lowers
+            # them by 15: on a busy machine they would yield to everything else)
+            worker_niceness=0,
         )
         return devices > 0
     try:
