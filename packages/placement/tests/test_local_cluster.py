@@ -115,44 +115,34 @@ def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
     assert again.worker_env == local_ray.worker_env == WORKER_ENV == local_worker_env()
 
 
-def test_workers_start_with_the_worker_env(local_ray: LocalRay) -> None:
-    names = sorted(WORKER_ENV)
+def _in_a_task_then_an_actor(probe: Callable[[], object]) -> list[object]:
+    """``probe()`` run in a Ray task, then in a Ray actor created after it (each in a
+    worker process of the module's cluster)."""
+    task = ray.remote(num_cpus=0)(probe)
+    in_task = ray.get(task.remote(), timeout=120)
 
     @ray.remote(num_cpus=0)
-    def task_env() -> list[str | None]:
-        return [os.environ.get(k) for k in names]
+    class Probe:
+        def run(self) -> object:
+            return probe()
 
-    @ray.remote(num_cpus=0)
-    class ActorEnv:
-        def env(self) -> list[str | None]:
-            return [os.environ.get(k) for k in names]
-
-    expected = [WORKER_ENV[k] for k in names]
-    assert ray.get(task_env.remote(), timeout=120) == expected
-    actor = ActorEnv.remote()  # type: ignore[attr-defined]
+    actor = Probe.remote()  # type: ignore[attr-defined]
     try:
-        assert ray.get(actor.env.remote(), timeout=120) == expected
+        return [in_task, ray.get(actor.run.remote(), timeout=120)]
     finally:
         ray.kill(actor)
+
+
+def test_workers_start_with_the_worker_env(local_ray: LocalRay) -> None:
+    names = sorted(WORKER_ENV)
+    expected = [WORKER_ENV[k] for k in names]
+    seen = _in_a_task_then_an_actor(lambda: [os.environ.get(k) for k in names])
+    assert seen == [expected, expected]
 
 
 def test_workers_run_worker_niceness_below_this_process(local_ray: LocalRay) -> None:
-    @ray.remote(num_cpus=0)
-    def task_nice() -> int:
-        return os.nice(0)
-
-    @ray.remote(num_cpus=0)
-    class ActorNice:
-        def nice(self) -> int:
-            return os.nice(0)
-
     expected = min(os.nice(0) + WORKER_NICENESS, 19)
-    assert ray.get(task_nice.remote(), timeout=120) == expected
-    actor = ActorNice.remote()  # type: ignore[attr-defined]
-    try:
-        assert ray.get(actor.nice.remote(), timeout=120) == expected
-    finally:
-        ray.kill(actor)
+    assert _in_a_task_then_an_actor(lambda: os.nice(0)) == [expected, expected]
 
 
 def test_reuse_refuses_a_cluster_with_too_few_gpus(local_ray: LocalRay) -> None:
