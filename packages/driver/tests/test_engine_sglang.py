@@ -319,6 +319,8 @@ class _FakeSglEngine:
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._mark("release")
+        if not self.kwargs.get("enable_memory_saver"):
+            return  # 0.5.23 without the memory saver: a stand-in that only logs a warning
         for tag in tags or _ALL_TAGS:
             assert tag not in self.offloaded, f"{tag} released twice"
             self.offloaded.add(tag)
@@ -710,6 +712,23 @@ def test_released_without_weights_backup_generates_only_after_a_refit(
     engine.shutdown()
 
 
+def test_engine_without_memory_saver_refuses_to_release(fake_sglang: None) -> None:
+    """sglang started with enable_memory_saver=False keeps its memory on a release (it
+    only logs a warning): the engine says so instead of counting itself released."""
+    from ppo_driver.rollout import SglangEngine
+
+    engine = SglangEngine(model_path="/m", run_seed=0, enable_memory_saver=False)
+    fake = engine.engine
+    with pytest.raises(RuntimeError, match="enable_memory_saver=False"):
+        engine.release_memory()
+    assert "release" not in [name for name, _ in fake.calls]
+    (out,) = engine.generate([_request(0)])  # still resident, still serving
+    assert out.weight_version == 0
+    engine.shutdown()
+    with pytest.raises(ValueError, match="needs enable_memory_saver"):  # before sglang starts
+        SglangEngine(model_path="/m", run_seed=0, released=True, enable_memory_saver=False)
+
+
 def test_engine_serves_in_a_half_precision_trainer_dtype(fake_sglang: None) -> None:
     from ppo_driver.rollout import SglangEngine
     from ppo_trainer import ModelSpec
@@ -1017,6 +1036,24 @@ def test_validate_refuses_lost_weights_in_critic_warmup(monkeypatch: pytest.Monk
         cuda=True,
     )  # fmt: skip
     assert "rollout.engine_kwargs.enable_weights_cpu_backup" not in [p.key for p in errors]
+
+
+def test_validate_refuses_a_colocated_engine_without_memory_saver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kwargs = "rollout.engine_kwargs={enable_memory_saver: false, mem_fraction_static: 0.3}"
+    errors = _engine_problems(
+        monkeypatch, "rollout.engine=sglang", "cluster.colocate=true", kwargs,
+        sglang=False, cuda=True,
+    )  # fmt: skip
+    keys = [p.key for p in errors]
+    assert "rollout.engine_kwargs.enable_memory_saver" in keys, errors
+    error = errors[keys.index("rollout.engine_kwargs.enable_memory_saver")]
+    assert "colocate=true" in error.message and "cluster.colocate=false" in error.fix
+    errors = _engine_problems(  # generation on GPUs of its own: nothing to release
+        monkeypatch, "rollout.engine=sglang", kwargs, sglang=False, cuda=True
+    )
+    assert "rollout.engine_kwargs.enable_memory_saver" not in [p.key for p in errors]
 
 
 # -- end to end through the CLI (GPU) ---------------------------------------------------------

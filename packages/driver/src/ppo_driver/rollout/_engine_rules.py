@@ -153,10 +153,23 @@ def _kwargs_problems(kwargs: Mapping[str, object]) -> list[ConfigProblem]:
 
 
 def _colocated_problems(cfg: DriverConfig, *, engine_ok: bool) -> list[ConfigProblem]:
-    """sglang on the training GPUs: it must keep a copy of its weights across a critic
-    warm-up, and should leave the trainers memory."""
+    """sglang on the training GPUs: it must be able to release its memory, keep a copy
+    of its weights across a critic warm-up, and should leave the trainers memory."""
     kwargs, warmup = cfg.rollout.engine_kwargs, cfg.ppo.critic_warmup_steps
     out = []
+    if kwargs.get("enable_memory_saver", True) is False:
+        out.append(
+            ConfigProblem(
+                "rollout.engine_kwargs.enable_memory_saver",
+                False,
+                "with cluster.colocate=true sglang must release its GPU memory while the "
+                "actor and critic train on the same GPUs; without its memory saver it keeps "
+                "its weights, KV cache and CUDA graphs there (and the engine refuses to "
+                "release)",
+                "remove rollout.engine_kwargs.enable_memory_saver (the driver sets it to true "
+                "when colocated), or set cluster.colocate=false",
+            )
+        )
     if warmup > 0 and kwargs.get("enable_weights_cpu_backup", True) is False:
         out.append(
             ConfigProblem(

@@ -292,7 +292,8 @@ class SglangEngine:
         engine_kwargs: extra ``sglang.Engine`` server arguments (e.g.
             ``mem_fraction_static``, ``enable_deterministic_inference``). Defaults set
             here: ``skip_tokenizer_init=True`` (token ids in and out),
-            ``enable_memory_saver=True`` (``release_memory`` needs it),
+            ``enable_memory_saver=True`` (``release_memory`` needs it, and raises
+            without it: sglang would keep its memory),
             ``enable_weights_cpu_backup`` = ``enable_memory_saver`` (see below),
             ``random_seed=run_seed``, ``log_level="error"``, and with ``model`` a
             ``ModelSpec`` whose ``dtype`` is ``bfloat16`` or ``float16``, ``dtype`` = that
@@ -361,6 +362,12 @@ class SglangEngine:
             kwargs["dtype"] = spec_dtype
         kwargs.update(engine_kwargs)
         kwargs.setdefault("enable_weights_cpu_backup", bool(kwargs["enable_memory_saver"]))
+        if released and not kwargs["enable_memory_saver"]:  # before sglang starts
+            raise ValueError(
+                f"SglangEngine {engine_id}: released=True (colocated) needs "
+                "enable_memory_saver: without it sglang cannot release its GPU memory; "
+                "remove enable_memory_saver=False from rollout.engine_kwargs"
+            )
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sglang-{engine_id}")
         path = materialize_model(model) if model is not None else str(model_path)
         self.engine = self._call(lambda: sgl.Engine(model_path=path, **kwargs))
@@ -383,6 +390,7 @@ class SglangEngine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._weights_backup = bool(kwargs["enable_weights_cpu_backup"])
+        self._memory_saver = bool(kwargs["enable_memory_saver"])
         self._released = False  # release_memory ran and resume_memory has not yet
         self._weights_released = False  # ... and the weights memory is still released
         # why generate refuses (weights lost or half-loaded), until an update succeeds
@@ -576,6 +584,13 @@ class SglangEngine:
             if self._released:
                 _log.info("engine %s: already released", self.engine_id)
                 return
+            if not self._memory_saver:  # sglang would only log a warning and keep it all
+                raise RuntimeError(
+                    f"engine {self.engine_id}: cannot release its GPU memory: it was started "
+                    "with enable_memory_saver=False (rollout.engine_kwargs), so sglang keeps "
+                    "its weights, KV cache and CUDA graphs; remove that key (colocated "
+                    "engines need the memory saver)"
+                )
             self._call(self._wait_idle, "releasing its memory")
             self._call(self.engine.release_memory_occupation)
             self._released = self._weights_released = True
