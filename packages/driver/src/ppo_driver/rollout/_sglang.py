@@ -361,8 +361,9 @@ class SglangEngine:
         if spec_dtype in _HALF_DTYPES:
             kwargs["dtype"] = spec_dtype
         kwargs.update(engine_kwargs)
-        kwargs.setdefault("enable_weights_cpu_backup", bool(kwargs["enable_memory_saver"]))
-        if released and not kwargs["enable_memory_saver"]:  # before sglang starts
+        memory_saver = bool(kwargs["enable_memory_saver"])
+        kwargs.setdefault("enable_weights_cpu_backup", memory_saver)
+        if released and not memory_saver:  # before sglang starts
             raise ValueError(
                 f"SglangEngine {engine_id}: released=True (colocated) needs "
                 "enable_memory_saver: without it sglang cannot release its GPU memory; "
@@ -390,7 +391,7 @@ class SglangEngine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._weights_backup = bool(kwargs["enable_weights_cpu_backup"])
-        self._memory_saver = bool(kwargs["enable_memory_saver"])
+        self._memory_saver = memory_saver
         self._released = False  # release_memory ran and resume_memory has not yet
         self._weights_released = False  # ... and the weights memory is still released
         # why generate refuses (weights lost or half-loaded), until an update succeeds
