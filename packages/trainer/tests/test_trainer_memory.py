@@ -214,6 +214,47 @@ def test_a_torch_without_suspend_keeps_the_communicators_with_a_warning(
     assert ok.calls == ["suspend", "resume"]
 
 
+def _backend_named(name: str, **attrs: Any) -> Any:
+    """An object whose class has the name torch gives a CUDA backend class."""
+    return type(name, (), attrs)()
+
+
+class _Group:
+    """A ``ProcessGroup`` stand-in: its CUDA backend, as ``_get_backend`` returns it."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def _get_backend(self, device: torch.device) -> Any:
+        assert device.type == "cuda"
+        return self.backend
+
+
+def test_nccl_backends_are_found_behind_the_debug_wrapper_and_others_are_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On CUDA, torch names the classes so: ProcessGroupNCCL; under
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL a _ProcessGroupWrapper with .wrapped_pg; under
+    # TORCH_DIST_USE_NCCL2=1 a ProcessGroupNCCL2 (no _comm_ptr). The real classes run in
+    # the gpu tests below.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_offload, "_UNSUPPORTED_NCCL", set())
+    connected = {"_comm_ptr": lambda self: 0x1234}
+    plain = _backend_named("ProcessGroupNCCL", **connected)
+    inner = _backend_named("ProcessGroupNCCL", **connected)
+    wrapper = _backend_named("_ProcessGroupWrapper", wrapped_pg=inner)
+    lazy = _backend_named("ProcessGroupNCCL", _comm_ptr=lambda self: 0)  # never used
+    nccl2 = _backend_named("ProcessGroupNCCL2")
+    gloo = _backend_named("ProcessGroupGloo")
+    groups = [_Group(b) for b in (plain, wrapper, lazy, nccl2, gloo, plain, nccl2)]
+    with caplog.at_level(logging.WARNING, logger="ppo_trainer._offload"):
+        found = _offload.nccl_communicators(groups)
+    assert found == [plain, inner]  # in order, each once, the wrapped one unwrapped
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "ProcessGroupNCCL2" in warned[0], warned  # once per class
+    assert "TORCH_DIST_USE_NCCL2" in warned[0]
+
+
 def test_workers_call_the_hooks_on_first_sleep_and_every_wake_up(
     registry: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -340,9 +381,14 @@ def _nccl_can_suspend() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_nccl_communicator_is_suspended_on_release_and_works_after_restore() -> None:
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])  # DETAIL: torch wraps the NCCL backend
+def test_nccl_communicator_is_suspended_on_release_and_works_after_restore(debug: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _NCCL_CHILD], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _NCCL_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TORCH_DISTRIBUTED_DEBUG": debug},
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])

@@ -173,10 +173,38 @@ def process_groups() -> list[Any]:
     return list(dist.distributed_c10d._world.pg_map)
 
 
+_UNSUPPORTED_NCCL: set[str] = set()  # the NCCL backend classes already warned about
+
+
+def _nccl_backend(backend: Any) -> Any | None:
+    """The ``ProcessGroupNCCL`` a group's CUDA backend is, or runs under the wrapper
+    that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts around it (``_ProcessGroupWrapper``,
+    whose checks go through a gloo group of their own); ``None`` for any other backend.
+    A ``ProcessGroupNCCL`` without ``suspend()`` (torch < 2.12) is returned too: the
+    suspender refuses it, with a warning. Another NCCL backend class (torch's
+    ``ProcessGroupNCCL2`` under ``TORCH_DIST_USE_NCCL2=1``) exposes no communicator to
+    check: it is left out, with a warning once per class, instead of silently."""
+    name = type(backend).__name__
+    if name == "_ProcessGroupWrapper":
+        backend = getattr(backend, "wrapped_pg", None)
+        name = type(backend).__name__
+    if name == "ProcessGroupNCCL":
+        return backend
+    if name.startswith("ProcessGroupNCCL") and name not in _UNSUPPORTED_NCCL:
+        _UNSUPPORTED_NCCL.add(name)
+        log.warning(
+            "NCCL communicators of torch's %s stay on the device while the models sleep "
+            "(only ProcessGroupNCCL can be suspended; unset TORCH_DIST_USE_NCCL2 to use it)",
+            name,
+        )
+    return None
+
+
 def nccl_communicators(groups: Iterable[Any]) -> list[SuspendableComm]:
     """The NCCL backends of ``groups`` (``ProcessGroup`` objects) that hold a
-    communicator and can be suspended, in the given order, each once. Gloo groups (and
-    groups without a CUDA backend) are left out: they hold no device memory."""
+    communicator and can be suspended, in the given order, each once (under a debug
+    wrapper: the NCCL backend it wraps). Gloo groups (and groups without a CUDA
+    backend) are left out: they hold no device memory."""
     if not torch.cuda.is_available():
         return []
     out: list[SuspendableComm] = []
@@ -187,8 +215,9 @@ def nccl_communicators(groups: Iterable[Any]) -> list[SuspendableComm]:
             backend = group._get_backend(cuda)
         except (RuntimeError, ValueError, AttributeError):
             continue
-        if type(backend).__name__ != "ProcessGroupNCCL":
-            continue  # one without suspend() (torch < 2.12) is refused, with a warning
+        backend = _nccl_backend(backend)
+        if backend is None:
+            continue
         if id(backend) in seen or not _has_communicator(backend):
             continue
         seen.add(id(backend))
