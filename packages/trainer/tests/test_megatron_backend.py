@@ -244,6 +244,13 @@ def test_fp8_parameters_are_refused_whatever_the_optimizer() -> None:
             mg.parse_options(options, role="policy")
 
 
+def test_fp8_recipe_is_handed_to_megatron_in_its_lowercase_spelling() -> None:
+    """The rules accept a recipe in any case (``Delayed``); megatron-core compares its
+    lowercase names, so the parsed options carry those."""
+    assert mg.parse_options({"fp8_recipe": "Delayed"}, role="policy").fp8_recipe == "delayed"
+    assert mg.parse_options({}, role="policy").fp8_recipe is None
+
+
 # --- the real GPTModel vs transformers ----------------------------------------------------------
 
 

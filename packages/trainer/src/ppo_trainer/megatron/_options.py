@@ -59,7 +59,8 @@ def parse_options(options: Mapping[str, Any], *, role: str) -> MegatronOptions:
         use_distributed_optimizer=bool(opt.get("use_distributed_optimizer", False)),
         overlap_param_gather=False,  # True is refused by option_problems
         fp8_param=bool(options.get("fp8_param", False)),
-        fp8_recipe=None if recipe is None else str(recipe),
+        # the rules accept any case; megatron-core compares lowercase names
+        fp8_recipe=None if recipe is None else str(recipe).lower(),
         transformer_impl=options.get("transformer_impl", "auto"),
         seed=options.get("seed"),
         prefix=p,
