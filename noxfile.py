@@ -264,12 +264,11 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Every benchmark in bench/ (not part of CI); pass names to pick some: -- sampler."""
+    every = {s.stem.removeprefix("bench_"): s for s in sorted((ROOT / "bench").glob("bench_*.py"))}
+    unknown = sorted(set(session.posargs) - set(every))
+    if unknown:  # before the install: a typo is not a silent subset
+        session.error(f"no benchmark named {unknown}; have {sorted(every)}")
+    scripts = [every[n] for n in session.posargs] if session.posargs else list(every.values())
     _sync(session, "--all-packages", *ALL_EXTRAS, compile_bytecode=True)
-    wanted = set(session.posargs)
-    scripts = sorted((ROOT / "bench").glob("bench_*.py"))
-    if wanted:
-        scripts = [s for s in scripts if s.stem.removeprefix("bench_") in wanted]
-    if not scripts:
-        session.error(f"no benchmark matched {sorted(wanted)}; have {[s.stem for s in scripts]}")
     for script in scripts:
         session.run("python", str(script), env={"PYTHONDONTWRITEBYTECODE": ""})

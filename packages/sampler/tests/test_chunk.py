@@ -15,7 +15,8 @@ from ppo_sampler import (
     tail_floor,
 )
 
-# The examples of "Tail-aware selection" in reference/colocated-ppo-streaming.md.
+# The examples of "Tail-aware selection" in the streaming design document
+# (colocated-ppo-streaming.md, the project's source document; not shipped).
 SCHEDULES = [
     pytest.param([88, 120, 128], 128, 32, 1, [88, 40], id="88+40-not-88+32+8"),
     pytest.param([88, 128], 128, 32, 1, [88, 40], id="88-then-flush-40"),
