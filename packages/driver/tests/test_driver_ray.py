@@ -219,6 +219,10 @@ def test_streaming_chunks_counters_and_outputs(
         "actor.sleep(keep_grads)",
     }, in_chunks
     names = [e["name"] for e in switches]
+    # each transition is traced once (the last chunk's critic sleep, awaited by the pump
+    # and again by the call queued behind it, was recorded twice: perf/switch_s too)
+    traced = [(e["name"], e["args"].get("step"), e["dur"]) for e in switches]
+    assert len(traced) == len(set(traced)), sorted(traced)
     # once per chunk (the last chunk's runs on after its span: the driver starts the
     # update behind it without waiting for it)
     assert names.count("actor.wake_up(parameters+buffers+gradients)") == sum(closing.values())

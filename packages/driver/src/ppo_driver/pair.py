@@ -308,10 +308,10 @@ class TrainPair:
     def settle(self, done: Sequence[_Queued] | None = None) -> None:
         """Wait for queued transitions (``done``, default all; surfaces their errors)
         and trace them."""
-        todo = list(self._queued) if done is None else list(done)
-        self._queued = [q for q in self._queued if q not in todo]
-        for q in todo:
-            result = q.pending.result()
+        queued = {id(q) for q in self._queued}  # one awaited (and traced) already is done
+        for q in [q for q in (self._queued if done is None else done) if id(q) in queued]:
+            result = q.pending.result()  # a failure stays queued: awaited again, not lost
+            self._queued = [other for other in self._queued if other is not q]
             self.trace_timeline([(q.label, *result.timeline[0][1:])], q.step, "switch")
 
     def trace_timeline(self, timeline: Timeline, step: int, phase: str) -> None:
