@@ -252,6 +252,9 @@ def kl_penalty(
     * ``k3 = exp(log_r) - 1 - log_r`` (unbiased, non-negative, low variance; verl's
       ``low_var_kl``), with ``log_r`` clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]``
       before ``exp`` so an extreme token stays finite (its gradient is 0 beyond the bound).
+      verl also clamps the estimate itself to ``[-10, 10]`` (no gradient beyond, from
+      ``log_r`` above about 2.5); here it stays exact there, so a token far from the
+      reference keeps pulling back towards it.
 
     ``mask`` (``[B, T]``, optional): positions with 0 get 0 and exactly zero gradient
     whatever they hold; pass it whenever masked positions may hold arbitrary values (the
