@@ -90,6 +90,34 @@ def test_configurable_budget() -> None:
         ResidencyLedger(budget_bytes=-1)
 
 
+def test_a_refused_wake_up_on_one_device_changes_no_device() -> None:
+    ledger = ResidencyLedger(budget_bytes={"d0": 1000, "d1": 100})
+    for device in ("d0", "d1"):  # fits on d0, not on d1
+        ledger.register("actor", device=device, part_bytes={Part.PARAMETERS: 200})
+    with pytest.raises(ResidencyError, match="d1"):
+        ledger.wake_up("actor", FORWARD_PARTS)
+    assert ledger.resident_parts("actor", "d0") == frozenset()
+    assert ledger.resident_bytes("d0") == 0
+
+
+def test_a_refused_registration_leaves_nothing_registered() -> None:
+    ledger = ResidencyLedger(budget_bytes=100)
+    with pytest.raises(ResidencyError):
+        ledger.register("a", device="d0", part_bytes={Part.PARAMETERS: 200}, resident=set(Part))
+    assert ledger.models() == []
+    ledger.register("a", device="d0", part_bytes={Part.PARAMETERS: 50}, resident=set(Part))
+    assert ledger.resident_bytes("d0") == 50
+
+
+def test_a_zero_budget_is_a_device_that_holds_nothing() -> None:
+    ledger = ResidencyLedger(budget_bytes=0)
+    assert ledger.budget("x") == 0
+    ledger.register("empty", device="x", part_bytes={}, resident=set(Part))
+    ledger.register("actor", device="x", part_bytes={Part.PARAMETERS: 1})
+    with pytest.raises(ResidencyError):
+        ledger.wake_up("actor", FORWARD_PARTS)
+
+
 def test_register_errors_name_the_problem() -> None:
     ledger = _ledger()
     with pytest.raises(ValueError, match="already registered"):

@@ -451,3 +451,46 @@ def test_problems_lists_every_refused_field_without_building() -> None:
         SamplerConfig(**values)
     assert info.value.problems == problems
     assert SamplerConfig.problems(num_prompts_per_step=16, min_groups_for_streaming_train=4) == []
+
+
+def test_in_order_stale_lists_only_groups_of_earlier_steps() -> None:
+    """A ready group of the step being trained is not stale, even while the gate holds
+    it back (fewer ready than the minimum); one of an earlier step is."""
+    sampler = InOrderSampler(max_lookahead_versions=0)
+    _fill(sampler, range(5), step=0)
+    assert sampler.select(trainer_step=0, trainer_version=0, remaining=10, min_groups=8) == []
+    assert sampler.stale() == []
+    _fill(sampler, range(5, 13), step=1)
+    assert sampler.select(trainer_step=1, trainer_version=1, remaining=8, min_groups=8) == list(
+        range(5, 13)
+    )
+    assert sampler.stale() == [0, 1, 2, 3, 4]  # left behind by step 0
+
+
+@pytest.mark.parametrize("name", ["in_order", "ready_first"])
+def test_a_consumed_group_is_forgotten(name: str) -> None:
+    """After ``mark_consumed`` the sampler keeps nothing of a group: ``info`` no longer
+    knows it, and its id may come back (as an evicted one's may)."""
+    sampler = make_sampler(
+        SamplerConfig(num_prompts_per_step=1, min_groups_for_streaming_train=1, name=name)
+    )
+    sampler.add("a", step=0, weight_version=0)
+    assert sampler.select(trainer_step=0, trainer_version=0, remaining=1, min_groups=1) == ["a"]
+    sampler.mark_consumed(["a"])
+    with pytest.raises(KeyError):
+        sampler.info("a")
+    sampler.add("a", step=1, weight_version=1)
+    assert sampler.info("a") == (1, 1)
+
+
+def test_fixed_blocks_with_ready_first_get_one_problem_naming_the_sampler() -> None:
+    """``max_lookahead_versions`` is an ``in_order`` setting: with ``ready_first`` the
+    fix is the sampler's name, not the look-ahead."""
+    problems = SamplerConfig.problems(
+        num_prompts_per_step=8,
+        min_groups_for_streaming_train=4,
+        name="ready_first",
+        deterministic_chunks=True,
+    )
+    assert [p.field for p in problems] == ["deterministic_chunks"]
+    assert "async_rl.sampler.name=in_order" in problems[0].fix

@@ -579,3 +579,45 @@ def test_presets_are_labelled_and_stream_faster() -> None:
             preset.workload, preset.generation, preset.costs, preset.lengths, steps=3
         )
         assert table.recommended_min_groups < preset.workload.batch, name
+
+
+def test_length_order_files_a_group_only_once_every_group_out_drew_more() -> None:
+    """``block_order="length"`` files a group once every group of its step still out
+    has drawn MORE tokens than it (an equal count is not more). One engine, one sequence
+    at a time, two groups a call: the call {0, 1} (10 and 20 tokens) returns at 30 s,
+    {2, 3} (10 and 30) at 70 s. Group 2 never draws more than group 0's 10 tokens, so
+    group 0 is filed only when group 2 comes back, at 70 s: the four 1-s blocks then
+    train one after the other and the step ends at 74 s."""
+    wl = Workload(
+        batch=4,
+        min_groups=1,
+        lookahead=0,
+        deterministic_chunks=True,
+        block_order="length",
+        groups_per_call=2,
+    )
+    gen = GenerationModel(tokens_per_s=1.0, concurrency=1, engines=1)
+    lengths = MeasuredLengths(lengths=(10, 20, 10, 30), resample=False, per_group=True)
+    costs = TrainingCosts(actor_train_per_sample=1.0)
+    result = simulate(wl, gen, costs, lengths, steps=1, warmup_steps=0)
+    assert result.steps[0].end_s == pytest.approx(74.0, rel=1e-12)
+
+
+def test_length_order_counts_groups_not_yet_dispatched_as_drawing_nothing() -> None:
+    """With fewer groups in flight than the batch, a group not yet dispatched has drawn
+    nothing, so no group is filed before every group of the step is out: the first block
+    is the step's two shortest groups (10 + 20 tokens), the second the two longest
+    (30 + 40), whatever order they were dispatched and finished in."""
+    wl = Workload(
+        batch=4,
+        min_groups=2,
+        lookahead=0,
+        deterministic_chunks=True,
+        block_order="length",
+        max_in_flight=2,
+    )
+    gen = GenerationModel(tokens_per_s=1.0, concurrency=1, engines=4)
+    lengths = MeasuredLengths(lengths=(30, 40, 10, 20), resample=False, per_group=True)
+    costs = TrainingCosts(scaling="packed", reference_tokens=1.0)
+    result = simulate(wl, gen, costs, lengths, steps=1, warmup_steps=0)
+    assert result.steps[0].chunk_work == (30.0, 70.0)

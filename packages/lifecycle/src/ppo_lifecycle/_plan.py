@@ -156,7 +156,9 @@ def plan_transitions(
     the model needed after it is prepared, so it stays resident across any number of
     empty selections. The actor sleeps with ``KEEP_GRADIENTS`` while it holds
     gradients accumulated since its last ``POLICY_UPDATE``, else with all parts.
-    ``CHECKPOINT_SAVE`` saves both models, the resident one first.
+    ``CHECKPOINT_SAVE`` saves both models, the resident one first (with neither
+    resident: the one other than ``end_resident`` first, so the model saved last is the
+    one left resident; the critic first when ``end_resident`` is ``None``).
 
     Args:
         phases: the step's phases in order, e.g. per chunk
@@ -224,7 +226,10 @@ def plan_transitions(
                     "gradients; checkpoints must exclude the whole update: save after "
                     "policy_update"
                 )
-            first = state if state is not None else Role.CRITIC
+            if state is not None:
+                first = state
+            else:  # the last one saved stays: no extra switch to reach end_resident
+                first = Role.CRITIC if end_resident is None else _other(end_resident)
             for role in (first, _other(first)):
                 switch(role, ALL_PARTS)
                 out.append(Work(phase, role))
