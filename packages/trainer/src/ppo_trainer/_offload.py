@@ -194,7 +194,8 @@ def _nccl_backend(backend: Any) -> Any | None:
         _UNSUPPORTED_NCCL.add(name)
         log.warning(
             "NCCL communicators of torch's %s stay on the device while the models sleep "
-            "(only ProcessGroupNCCL can be suspended; unset TORCH_DIST_USE_NCCL2 to use it)",
+            "(only its ProcessGroupNCCL can be suspended; TORCH_DIST_USE_NCCL2=1 selects "
+            "ProcessGroupNCCL2)",
             name,
         )
     return None

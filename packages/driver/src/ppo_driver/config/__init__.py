@@ -1,8 +1,9 @@
 """Typed driver configuration: YAML plus dotted overrides, and start-up validation.
 
 The key names (``ppo.*``, ``async_rl.*``, ``policy.megatron_cfg.*``) follow the
-project's streaming design document (``colocated-ppo-streaming.md``, not shipped). Every unknown key, wrong type and broken rule is collected,
-each naming the key, the value and the fix, so ``ppo-driver validate`` reports them all.
+project's streaming design document (``colocated-ppo-streaming.md``, not shipped).
+Every unknown key, wrong type and broken rule is collected, each naming the key, the
+value and the fix, so ``ppo-driver validate`` reports them all.
 
 :mod:`.schema` (the sections and their declared ranges), :mod:`.loading` (YAML and
 overrides), :mod:`.problems` (the report, :class:`ValidConfig`), :mod:`.packages` (one
