@@ -281,3 +281,77 @@ def test_a_failed_write_leaves_no_partial_checkpoint(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, 2, state={}, tensors=tensors, write_models=full_disk)
     assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("latest.tmp*"))
     assert find_latest(tmp_path) == first
+
+
+# ------------------------------------------- rules a mutation sweep found untested
+
+
+def test_structural_check_refuses_bytes_after_the_last_tensor(tmp_path: Path) -> None:
+    ckpt = save_checkpoint(
+        tmp_path, 1, state={}, tensors={"x": torch.arange(4.0)}, write_models=_worker_files
+    )
+    (ckpt / MANIFEST).unlink()
+    tensors = ckpt / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes() + b"\0\0\0\0")
+    with pytest.raises(CheckpointDamaged, match="its header describes") as info:
+        verify_checkpoint(ckpt)
+    assert info.value.file == tensors
+
+
+def test_a_manifest_that_does_not_list_driver_json_is_refused(tmp_path: Path) -> None:
+    ckpt = save_checkpoint(
+        tmp_path, 1, state={}, tensors={"x": torch.arange(4.0)}, write_models=_worker_files
+    )
+    (ckpt / MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
+    with pytest.raises(CheckpointDamaged, match="without driver.json"):
+        verify_checkpoint(ckpt)
+
+
+def test_the_input_fingerprint_reads_the_end_of_large_weights(tmp_path: Path) -> None:
+    """A model directory is fingerprinted by its small files and the first and last
+    4 MiB of each weights file (and its size): in a 9 MiB file, a byte changed near
+    the end is seen, and so is one near the start."""
+    from ppo_driver.checkpoint import input_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    weights = model / "model.safetensors"
+    data = bytearray(random.Random(0).randbytes(9 << 20))
+    weights.write_bytes(bytes(data))
+    before = input_fingerprint(model)
+    data[-10] ^= 0xFF  # in the last 4 MiB
+    weights.write_bytes(bytes(data))
+    assert input_fingerprint(model) != before
+    data[-10] ^= 0xFF
+    data[10] ^= 0xFF  # in the first 4 MiB
+    weights.write_bytes(bytes(data))
+    assert input_fingerprint(model) != before
+
+
+def test_resume_from_a_damaged_checkpoint_names_the_newest_older_one_that_verifies(
+    tmp_path: Path,
+) -> None:
+    from ppo_driver._resume import _checkpoint_to_resume
+    from ppo_driver.startup import StartupError
+
+    for step in (1, 2, 3):
+        save_checkpoint(
+            tmp_path,
+            step,
+            state={},
+            tensors={"x": torch.arange(4.0)},
+            write_models=_worker_files,
+            keep=3,
+        )
+    (tmp_path / "step_000003" / "driver.json").write_text("{")
+    with pytest.raises(StartupError, match=r"step_000002 \(2 step\(s\) done\)"):
+        _checkpoint_to_resume(tmp_path)
+
+
+def test_the_task_options_cannot_change_on_resume() -> None:
+    """``rollout.extra`` shapes the built-in task's prompts: a resumed run keeps it."""
+    changes = resume_config_changes(
+        {"rollout": {"extra": {"max_count": 8}}}, {"rollout": {"extra": {"max_count": 5}}}
+    )
+    assert [c.split(":")[0] for c in changes] == ["rollout.extra"]

@@ -439,3 +439,10 @@ def test_ready_blocks_merge_with_fixed_blocks_on_any_data_parallel_size() -> Non
     assert not merges_ready_blocks(load_config(None, ["async_rl.merge_ready_blocks=false"])[0])
     arrival = ["async_rl.deterministic_chunks=false", "rollout.decode_delay_s=0.1"]
     assert not merges_ready_blocks(load_config(None, arrival)[0])
+
+
+def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("a: 1\nb: 2\n\tc: 3\n")  # a tab cannot start a YAML token
+    with pytest.raises(ConfigError, match="line 3, column 1"):
+        load_config(path, [])

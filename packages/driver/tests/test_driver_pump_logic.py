@@ -114,15 +114,29 @@ def test_steps_never_share_or_lose_groups() -> None:
 
 def test_step_batch_pads_and_orders_by_prompt() -> None:
     full = StepBatch.assemble(
-        [chunk_batch([5, 1], 3), chunk_batch([0, 2, 4], 5)], pad_id=0, group_sizes=[2, 3]
+        [chunk_batch([5, 1], 3), chunk_batch([0, 2, 4], 5)], pad_id=7, group_sizes=[2, 3]
     )
     assert full.prompt_indices.tolist() == [0, 1, 2, 4, 5]
     assert full.input_ids.shape == (5, 5)
     assert full.chunk_sizes == (2, 3)
     # rows of the narrow chunk are right padded with pad_id and mask 0
-    assert full.input_ids[1, 3:].tolist() == [0, 0]
+    assert full.input_ids[1, 3:].tolist() == [7, 7]
     assert full.loss_mask[1, 3:].tolist() == [0.0, 0.0]
     assert full.attention_mask[1, 3:].tolist() == [0, 0]
+
+
+def test_step_batch_keeps_each_prompts_samples_in_arrival_order() -> None:
+    """Rows are sorted by prompt index only: a prompt's samples keep their order (a
+    stable sort; an unstable one reorders rows of equal keys in a batch this size)."""
+    rng = random.Random(0)
+    pids = [p for p in range(64) for _ in range(4)]
+    rng.shuffle(pids)
+    chunks = [chunk_batch(pids[i : i + 32], 2) for i in range(0, 256, 32)]
+    full = StepBatch.assemble(chunks, pad_id=0, group_sizes=[8] * 8)
+    arrival = torch.cat([c.input_ids[:, 0] for c in chunks])  # distinct per row
+    for p in range(64):
+        rows = full.input_ids[full.prompt_indices == p, 0].tolist()
+        assert rows == [int(t) for t, q in zip(arrival, pids, strict=True) if q == p]
 
 
 def test_chunk_batch_names_the_stage_of_a_field_not_filled_yet() -> None:

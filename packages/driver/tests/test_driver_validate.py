@@ -1321,3 +1321,86 @@ def test_default_yaml_lists_every_key_with_the_dataclass_default() -> None:
     assert sorted(shipped) == sorted(code)
     for key, value in code.items():
         assert shipped[key] == value, f"{key}: default.yaml {shipped[key]!r} != code {value!r}"
+
+
+# ------------------------------------------- rules a mutation sweep found untested
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="memory_saver runs where there is CUDA")
+@pytest.mark.parametrize("spelling", ["memory_saver", "torch_memory_saver"])
+def test_memory_saver_needs_cuda_in_either_spelling(spelling: str) -> None:
+    """The trainer reads ``torch_memory_saver`` as ``memory_saver``: validate must judge
+    it the same (it used to skip the alias, so train failed after Ray started)."""
+    problems = [p for p in _errors([f"policy.offload_backend={spelling}"])]
+    assert [p.key for p in problems] == ["policy.offload_backend"], problems
+    assert "needs CUDA" in str(problems[0]) and "host_copy" in problems[0].fix
+
+
+def test_length_order_is_refused_for_sglang() -> None:
+    # the length order needs the embedded engine's progress reports (driver README)
+    keys = [p.key for p in _errors(["async_rl.block_order=length", "rollout.engine=sglang"])]
+    assert "async_rl.block_order" in keys
+
+
+def test_a_block_order_without_fixed_blocks_is_a_warning() -> None:
+    cfg, report = load_config(
+        None, ["async_rl.block_order=dispatch", "async_rl.deterministic_chunks=false"]
+    )
+    assert report.ok
+    assert [w.key for w in report.warnings] == ["async_rl.block_order"]
+
+
+def test_a_minimum_equal_to_an_unaligned_batch_reports_both_keys() -> None:
+    """The minimum may equal the batch (full batch), but not when neither is a multiple
+    of the micro-batch's groups (8 samples / 4 per group = 2): both keys are named."""
+    keys = [
+        p.key
+        for p in _errors(
+            [
+                "ppo.num_prompts_per_step=15",
+                "async_rl.min_groups_for_streaming_train=15",
+                "policy.train_micro_batch_size=8",
+            ]
+        )
+    ]
+    assert {"ppo.num_prompts_per_step", "async_rl.min_groups_for_streaming_train"} <= set(keys)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("ppo.critic_ppo_epochs=true", "ppo.critic_ppo_epochs"),
+        ("policy.lr=true", "policy.lr"),
+    ],
+)
+def test_a_boolean_is_not_a_number(override: str, key: str) -> None:
+    assert [p.key for p in _errors([override])] == [key]
+
+
+def test_a_misspelt_key_gets_its_full_spelling() -> None:
+    (problem,) = _errors(["ppo.num_prompt_per_step=8"])
+    assert problem.key == "ppo.num_prompt_per_step"
+    assert "did you mean ppo.num_prompts_per_step?" in problem.fix
+
+
+def test_a_refused_key_is_reported_once() -> None:
+    """The driver's own check and the package's check of the same field are merged."""
+    assert [p.key for p in _errors(["ppo.loss_agg=mean"])] == ["ppo.loss_agg"]
+    cfg = DriverConfig()
+    cfg.policy.lr = float("nan")
+    assert [p.key for p in validate(cfg).errors] == ["policy.lr"]
+
+
+def test_an_infinite_value_set_in_code_is_refused() -> None:
+    cfg = DriverConfig()
+    cfg.rollout.temperature = float("inf")  # its range (>= 0) alone would let it through
+    assert "rollout.temperature" in {p.key for p in validate(cfg).errors}
+
+
+def test_as_many_cpus_as_bundles_is_enough() -> None:
+    """One training and three generation logical GPUs are 4 placement bundles of one
+    CPU each: 4 CPUs are enough, 3 are refused (only fewer CPUs than bundles is)."""
+    assert not _errors(["cluster.rollout_gpus=3", "cluster.num_cpus=4"])
+    assert [p.key for p in _errors(["cluster.rollout_gpus=3", "cluster.num_cpus=3"])] == [
+        "cluster.num_cpus"
+    ]

@@ -1056,6 +1056,23 @@ def test_validate_refuses_a_colocated_engine_without_memory_saver(
     assert "rollout.engine_kwargs.enable_memory_saver" not in [p.key for p in errors]
 
 
+def test_validate_needs_the_weights_backup_only_with_a_critic_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Colocated sglang without its weights' CPU backup loses them at a release; only a
+    critic warm-up step resumes generation without a refit first, so only then is it
+    refused."""
+    key = "rollout.engine_kwargs.enable_weights_cpu_backup"
+    kwargs = "rollout.engine_kwargs={enable_weights_cpu_backup: false, mem_fraction_static: 0.3}"
+    base = ("rollout.engine=sglang", "cluster.colocate=true", kwargs)
+    errors = _engine_problems(monkeypatch, *base, sglang=False, cuda=True)
+    assert key not in [p.key for p in errors], errors
+    errors = _engine_problems(
+        monkeypatch, *base, "ppo.critic_warmup_steps=1", sglang=False, cuda=True
+    )
+    assert key in [p.key for p in errors], errors
+
+
 # -- end to end through the CLI (GPU) ---------------------------------------------------------
 
 

@@ -881,3 +881,44 @@ def test_rollout_manager_refuses_limits_that_cannot_work(
     }
     with pytest.raises(ValueError, match=message):
         RolloutManager(**kwargs)
+
+
+# ------------------------------------------- rules a mutation sweep found untested
+
+
+def test_synthetic_counts_cover_one_to_max_count() -> None:
+    """Counts are uniform in [1, max_count], max_count itself included, up to 99."""
+    counts = {r["count"] for r in synthetic_records(num_prompts=500, seed=0, max_count=3)}
+    assert counts == {1, 2, 3}
+    assert max(r["count"] for r in synthetic_records(num_prompts=500, seed=0, max_count=99)) == 99
+    with pytest.raises(ValueError, match="max_count=100"):
+        synthetic_records(num_prompts=1, seed=0, max_count=100)
+
+
+@pytest.mark.parametrize(
+    ("lines", "messages", "words"),
+    [
+        pytest.param(['{"prompt": "a1:"}', '{"prompt": ""}'], False, ":2:", id="empty-string"),
+        pytest.param(['{"prompt": []}'], True, ":1:", id="no-messages"),
+    ],
+)
+def test_jsonl_refuses_an_empty_prompt_naming_the_line(
+    tmp_path: Path, lines: list[str], messages: bool, words: str
+) -> None:
+    from ppo_driver.rollout import DataError, read_jsonl
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=words):
+        read_jsonl(path, messages=messages)
+
+
+def test_replay_buffer_refuses_tensors_that_do_not_match_its_metadata() -> None:
+    buf = ReplayBuffer()
+    for gid in range(2):
+        buf.add(_scored(gid), step=0)
+    meta, tensors = buf.state_dict()
+    key = next(k for k in tensors if "reward" in k)
+    tensors[key] = torch.cat([tensors[key], tensors[key][:1]])  # one reward too many
+    with pytest.raises(ValueError, match="do not match"):
+        ReplayBuffer().load_state_dict(meta, tensors)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ppo_placement import cluster_address_problem
-from ppo_trainer import OFFLOAD_BACKENDS, memory_saver_problem
+from ppo_trainer import OFFLOAD_ALIASES, OFFLOAD_BACKENDS, memory_saver_problem
 
 from ppo_driver import _machine
 from ppo_driver.config.packages import ROLES, cluster_layout
@@ -116,9 +116,10 @@ def offload_problems(cfg: DriverConfig, *, refused: Collection[str]) -> list[Con
     out = []
     for role in ROLES:
         m, key = cfg.model(role), f"{role}.offload_backend"
-        if m.offload_backend not in OFFLOAD_BACKENDS or key in refused:
+        name = OFFLOAD_ALIASES.get(m.offload_backend, m.offload_backend)  # as the trainer reads it
+        if name not in OFFLOAD_BACKENDS or key in refused:
             continue
-        if m.offload_backend == "none":
+        if name == "none":
             out.append(
                 warning(
                     key,
@@ -129,7 +130,7 @@ def offload_problems(cfg: DriverConfig, *, refused: Collection[str]) -> list[Con
                     f"set {key}=auto to time-share the devices",
                 )
             )
-        if m.offload_backend in ("memory_saver", "torch_memory_saver"):
+        if name == "memory_saver":
             device = "cuda" if _machine.cuda_available() else "cpu"
             backend = "megatron" if m.megatron_cfg.enabled else "torch"
             problem = memory_saver_problem(device=device, backend=backend, key=key)

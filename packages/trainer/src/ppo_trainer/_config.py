@@ -18,6 +18,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCHEDULERS",
+    "OFFLOAD_ALIASES",
     "OFFLOAD_BACKENDS",
     "ActorConfig",
     "CriticConfig",
@@ -30,8 +31,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token", "sample")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 OFFLOAD_BACKENDS = ("auto", "host_copy", "memory_saver", "none")
-# Accepted and normalised to their OFFLOAD_BACKENDS spelling (ppo_lifecycle's name).
-_OFFLOAD_ALIASES = {"torch_memory_saver": "memory_saver"}
+#: Accepted and normalised to their OFFLOAD_BACKENDS spelling (ppo_lifecycle's name).
+OFFLOAD_ALIASES = {"torch_memory_saver": "memory_saver"}
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -217,8 +218,8 @@ class _TrainConfig:
     _SECTION: ClassVar[str] = "train"
 
     def __post_init__(self) -> None:
-        if self.offload_backend in _OFFLOAD_ALIASES:
-            object.__setattr__(self, "offload_backend", _OFFLOAD_ALIASES[self.offload_backend])
+        if self.offload_backend in OFFLOAD_ALIASES:
+            object.__setattr__(self, "offload_backend", OFFLOAD_ALIASES[self.offload_backend])
         _raise_problems(self)
 
     @classmethod
@@ -226,8 +227,8 @@ class _TrainConfig:
         """Every problem of these field values (the others at their defaults), at once;
         ``model`` is a built :class:`ModelSpec` (its own :meth:`ModelSpec.problems`)."""
         v = _values(cls, values)
-        if v["offload_backend"] in _OFFLOAD_ALIASES:
-            v["offload_backend"] = _OFFLOAD_ALIASES[v["offload_backend"]]
+        if v["offload_backend"] in OFFLOAD_ALIASES:
+            v["offload_backend"] = OFFLOAD_ALIASES[v["offload_backend"]]
         out = [
             TrainerProblem(name, v[name], why, fix, cls._SECTION)
             for name, why, fix in (*_train_rules(v), *cls._own_rules(v))
