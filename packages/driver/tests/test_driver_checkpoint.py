@@ -303,7 +303,7 @@ def test_a_manifest_that_does_not_list_driver_json_is_refused(tmp_path: Path) ->
         tmp_path, 1, state={}, tensors={"x": torch.arange(4.0)}, write_models=_worker_files
     )
     (ckpt / MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
-    with pytest.raises(CheckpointDamaged, match="without driver.json"):
+    with pytest.raises(CheckpointDamaged, match=r"without driver\.json"):
         verify_checkpoint(ckpt)
 
 

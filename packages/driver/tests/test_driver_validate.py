@@ -1343,7 +1343,7 @@ def test_length_order_is_refused_for_sglang() -> None:
 
 
 def test_a_block_order_without_fixed_blocks_is_a_warning() -> None:
-    cfg, report = load_config(
+    _, report = load_config(
         None, ["async_rl.block_order=dispatch", "async_rl.deterministic_chunks=false"]
     )
     assert report.ok
