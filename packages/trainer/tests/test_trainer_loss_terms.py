@@ -1,0 +1,134 @@
+"""The actor's and the critic's losses as the workers put them together, against the
+documented formulas written out here (not against a second worker, which would share a
+bug): the policy loss plus ``kl_loss_coef`` times the KL loss minus ``entropy_coef`` times
+the entropy, each aggregated like the policy loss; the critic's clipped value loss on
+its SHIFTED values (position t read from the state before token t).
+
+Tolerances: the actor's terms are float64 sums of a few dozen tokens (1e-12 relative
+is far above their rounding); the critic runs in float32, and its loss here is 0.5 times
+a mean of squares of O(0.1) differences read back from the same forward: rounding of
+float32 values of O(1) is about 1e-7 absolute per value, so 1e-6 relative to a loss of
+O(1e-3) bounds it with margin, while the bugs these catch move it by O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ppo_trainer import ActorConfig, CriticWorker
+from ppo_trainer._actor_loss import actor_loss
+from ppo_trainer._batching import shift
+from trainer_testlib import TINY, critic_config, make_data
+
+
+def test_shift_moves_native_positions_one_token_right() -> None:
+    assert shift(torch.tensor([[1.0, 2.0, 3.0]])).tolist() == [[0.0, 1.0, 2.0]]
+
+
+def _expected_actor_loss(
+    logits: torch.Tensor, mb: dict[str, torch.Tensor], cfg: ActorConfig, den: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total loss, KL loss, entropy loss) by the formulas, token by token."""
+    ids, mask = mb["input_ids"], mb["loss_mask"]
+    b, t = ids.shape
+    pg = torch.zeros(b, t, dtype=logits.dtype)
+    kl = torch.zeros(b, t, dtype=logits.dtype)
+    ent = torch.zeros(b, t, dtype=logits.dtype)
+    for i in range(b):
+        for j in range(1, t):  # token j is predicted from position j - 1
+            logp = torch.log_softmax(logits[i, j - 1], dim=-1)
+            lp = logp[ids[i, j]]
+            ent[i, j] = -(logp.exp() * logp).sum()
+            ratio = torch.exp(lp - mb["old_logprobs"][i, j])
+            adv = mb["advantages"][i, j]
+            clipped = torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip)
+            pg[i, j] = torch.maximum(-adv * ratio, -adv * clipped)
+            log_r = mb["ref_logprobs"][i, j] - lp  # log(ref / pi): KL(pi || ref)
+            kl[i, j] = -log_r if cfg.kl_estimator == "k1" else torch.expm1(log_r) - log_r
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        if cfg.loss_agg == "token":
+            return (x * mask).sum() / den
+        per_row = (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_row.sum() / den
+
+    total = agg(pg) + cfg.kl_loss_coef * agg(kl) - cfg.entropy_coef * agg(ent)
+    return total, agg(kl), agg(ent)
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sample"])
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_actor_loss_is_policy_plus_kl_minus_entropy(loss_agg: str, estimator: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    b, t, vocab = 3, 6, 7
+    mask = torch.tensor(
+        [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 0]], dtype=torch.float64
+    )
+    mb = {
+        "input_ids": torch.randint(0, vocab, (b, t), generator=g),
+        "loss_mask": mask,
+        "advantages": torch.randn(b, t, generator=g, dtype=torch.float64) * mask,
+        "old_logprobs": (torch.randn(b, t, generator=g, dtype=torch.float64) - 2.0) * mask,
+        "ref_logprobs": (torch.randn(b, t, generator=g, dtype=torch.float64) - 2.0) * mask,
+    }
+    cfg = ActorConfig(
+        model=TINY,
+        kl_loss_coef=0.05,
+        kl_estimator=estimator,
+        entropy_coef=0.01,
+        loss_agg=loss_agg,
+    )
+    den = float(mask.sum()) if loss_agg == "token" else float(b)
+    logits = torch.randn(b, t, vocab, generator=g, dtype=torch.float64, requires_grad=True)
+    loss, sums = actor_loss(logits, dict(mb), config=cfg, denominator=den)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    want, want_kl, want_ent = _expected_actor_loss(ref_logits, mb, cfg, den)
+    (want_grad,) = torch.autograd.grad(want, ref_logits)
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+    # the reported terms are the aggregated KL and entropy, without their coefficients
+    assert sums["kl"] == pytest.approx(want_kl.item(), rel=1e-12)
+    assert sums["entropy"] == pytest.approx(want_ent.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sample"])
+def test_critic_loss_reads_the_shifted_values(loss_agg: str) -> None:
+    """Returns set to the critic's own values plus a known offset per row: the first
+    update's loss is ``0.5 * offset**2`` aggregated (before that update the weights are
+    the ones that produced the values), whatever positions hold the response."""
+    data = make_data(4, 10, seed=3)
+    critic = CriticWorker(critic_config("torch", value_clip=None, loss_agg=loss_agg))
+    values = critic.compute_values(data.batch)
+    mask = data.batch["loss_mask"]
+    offset = torch.tensor([0.1, 0.2, 0.3, 0.4])[:, None]
+    out = critic.train(
+        data.batch,
+        returns=(values + offset) * mask,
+        old_values=values,
+        epochs=1,
+        mini_batch_size=4,
+    )
+    per_token = 0.5 * offset**2 * torch.ones_like(mask)
+    if loss_agg == "token":
+        want = float((per_token * mask).sum() / mask.sum())
+    else:
+        rows = (per_token * mask).sum(dim=1) / mask.sum(dim=1)
+        want = float(rows.mean())
+    assert out["loss/value"] == pytest.approx(want, rel=1e-6)
+    assert out["critic/optimizer_steps"] == 1
+
+
+def test_loss_functions_refuse_clips_that_cannot_work() -> None:
+    """A dual clip must exceed 1 (at 1 it would clip every negative advantage's loss to
+    the advantage itself) and a value clip must be positive (0 freezes the values)."""
+    from ppo_trainer._math import policy_loss, value_loss
+
+    x = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(
+            logprobs=x, old_logprobs=x, advantages=x, mask=mask, eps_clip=0.2, dual_clip=1.0
+        )
+    with pytest.raises(ValueError, match="value_clip"):
+        value_loss(values=x, old_values=x, returns=x, mask=mask, value_clip=0.0)
