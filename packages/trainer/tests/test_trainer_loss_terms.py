@@ -132,3 +132,67 @@ def test_loss_functions_refuse_clips_that_cannot_work() -> None:
         )
     with pytest.raises(ValueError, match="value_clip"):
         value_loss(values=x, old_values=x, returns=x, mask=mask, value_clip=0.0)
+
+
+# --------------------------------------------------------------- a step's bookkeeping
+
+
+def test_a_refused_chunk_denominator_leaves_the_step_unopened() -> None:
+    from ppo_trainer._actor_step import StepSums
+
+    step = StepSums()
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="loss_denominator"):
+            step.use_denominator(bad, loss_agg="token")
+    assert step.denominator is None
+    step.use_denominator(12, loss_agg="token")
+    with pytest.raises(ValueError, match="differs"):
+        step.use_denominator(12.5, loss_agg="token")
+
+
+@pytest.mark.parametrize(
+    ("loss_agg", "good", "bad"),
+    [
+        # token: only the step's valid-token count (rows are not tokens)
+        ("token", [10.0], [4.0, 10.5, 10.001]),
+        # sample: the samples with a valid token, or all rows (both documented)
+        ("sample", [3.0, 4.0], [5.0, 3.01, 10.0]),
+    ],
+)
+def test_the_final_denominator_must_be_the_steps_count(
+    loss_agg: str, good: list[float], bad: list[float]
+) -> None:
+    from ppo_trainer._actor_step import final_denominator
+
+    totals = {"tokens": 10.0, "samples": 3.0, "rows": 4.0}
+    for given in good:
+        assert final_denominator(totals, provisional=1.0, given=given, loss_agg=loss_agg) == given
+    for given in bad:
+        with pytest.raises(ValueError, match="does not match"):
+            final_denominator(totals, provisional=1.0, given=given, loss_agg=loss_agg)
+
+
+def test_step_metrics_are_token_weighted_and_rescaled() -> None:
+    """Clip fraction and approx KL are per valid token (their sums carry the token
+    weight); the loss terms are rescaled to the final denominator, the KL's too."""
+    from ppo_trainer._actor_step import StepSums, chunk_metrics, update_metrics
+
+    cfg = ActorConfig(model=TINY, kl_loss_coef=0.1, entropy_coef=0.01)
+    step = StepSums()
+    results = [  # two micro-batches: 3 and 5 valid tokens
+        {"pg": 0.5, "kl": 0.2, "entropy": 1.0, "clipfrac": 0.5 * 3, "approx_kl": 0.01 * 3},
+        {"pg": 0.25, "kl": 0.1, "entropy": 2.0, "clipfrac": 0.2 * 5, "approx_kl": 0.03 * 5},
+    ]
+    summed = step.add(results, tokens=8.0, samples=2.0)
+    chunk = chunk_metrics(tokens=8.0, summed=summed, config=cfg, engine=False)
+    assert chunk["actor/clipfrac"] == pytest.approx((1.5 + 1.0) / 8)
+    assert chunk["actor/approx_kl"] == pytest.approx((0.03 + 0.15) / 8)
+    totals = step.totals(lambda xs: list(xs))
+    out = update_metrics(
+        totals, {"grad_norm": 1.0, "lr": 1e-3}, scale=0.5, global_step=1, config=cfg
+    )
+    assert out["actor/clipfrac"] == pytest.approx(2.5 / 8)
+    assert out["actor/approx_kl"] == pytest.approx(0.18 / 8)
+    assert out["loss/pg"] == pytest.approx(0.75 * 0.5)
+    assert out["loss/kl"] == pytest.approx(0.3 * 0.5)
+    assert out["loss/entropy"] == pytest.approx(3.0 * 0.5)
