@@ -196,3 +196,38 @@ def test_step_metrics_are_token_weighted_and_rescaled() -> None:
     assert out["loss/pg"] == pytest.approx(0.75 * 0.5)
     assert out["loss/kl"] == pytest.approx(0.3 * 0.5)
     assert out["loss/entropy"] == pytest.approx(3.0 * 0.5)
+
+
+def test_kept_chunks_count_samples_and_rows_apart() -> None:
+    from ppo_trainer._kept_chunks import KeptChunks
+
+    kept = KeptChunks()
+    kept.add_rows(3)
+    kept.add_rows(3)  # a second chunk: rows add up
+    kept.add([{"x": torch.zeros(2)}], tokens=7.0, samples=2.0)  # one row fully masked
+    kept.add([{"x": torch.zeros(3)}], tokens=4.0, samples=3.0)
+    assert kept.counts == {"tokens": 11.0, "samples": 5.0, "rows": 6.0}
+
+
+@pytest.mark.parametrize("name", ["advantages", "old_logprobs", "ref_logprobs"])
+def test_a_per_token_input_of_another_width_is_refused_by_name(name: str) -> None:
+    from ppo_trainer._batching import check_batch
+
+    batch = make_data(2, 5).batch
+    with pytest.raises(ValueError, match=name):
+        check_batch(batch, ("input_ids",), **{name: torch.zeros(2, 4)})
+
+
+def test_a_critic_mini_batch_without_valid_tokens_takes_no_step() -> None:
+    """Mini-batches of the step's order in which every row is masked make no optimizer
+    update (nothing to learn; Adam would still move the weights on zero gradients)."""
+    data = make_data(4, 8, seed=1)
+    batch = dict(data.batch)
+    batch["loss_mask"] = batch["loss_mask"].clone()
+    batch["loss_mask"][2:] = 0  # the second mini-batch of 2 is all masked
+    critic = CriticWorker(critic_config("torch"))
+    values = critic.compute_values(batch)
+    before = {k: v.clone() for k, v in critic.export_weights().items()}
+    out = critic.train(batch, returns=values * 0, old_values=values, epochs=1, mini_batch_size=2)
+    assert out["critic/optimizer_steps"] == 1
+    assert any(not torch.equal(before[k], v) for k, v in critic.export_weights().items())
