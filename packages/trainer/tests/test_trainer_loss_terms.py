@@ -231,3 +231,33 @@ def test_a_critic_mini_batch_without_valid_tokens_takes_no_step() -> None:
     out = critic.train(batch, returns=values * 0, old_values=values, epochs=1, mini_batch_size=2)
     assert out["critic/optimizer_steps"] == 1
     assert any(not torch.equal(before[k], v) for k, v in critic.export_weights().items())
+
+
+def test_critic_metrics_average_the_updates_and_weight_clipping_by_tokens() -> None:
+    """Two epochs of two mini-batches with a learning rate too small to move float32
+    weights (1e-30), so every update sees the first values V: with returns V + 0.1 and
+    old values V - 0.5 on rows 0 and 2 (beyond the clip of 0.2), V on rows 1 and 3,
+    each update's loss is 0.5 * max((V - R)^2, (V_clip - R)^2) over its valid tokens,
+    ``loss/value`` their mean over the 4 updates, and ``critic/clipfrac`` the share of
+    valid tokens clipped over all of them (rows 0 and 2's tokens)."""
+    data = make_data(4, 12, seed=5)
+    mask = data.batch["loss_mask"]
+    critic = CriticWorker(critic_config("torch", lr=1e-30, value_clip=0.2))
+    values = critic.compute_values(data.batch)
+    shift_old = torch.tensor([0.5, 0.0, 0.5, 0.0])[:, None]
+    out = critic.train(
+        data.batch,
+        returns=(values + 0.1) * mask,
+        old_values=(values - shift_old) * mask,
+        epochs=2,
+        mini_batch_size=2,
+    )
+    # per token: unclipped 0.1^2; clipped rows: V_clip = V - 0.3, so (0.3 + 0.1)^2
+    per_token = 0.5 * torch.where(shift_old > 0, 0.4**2, 0.1**2) * torch.ones_like(mask)
+    updates = [
+        float((per_token[r] * mask[r]).sum() / mask[r].sum()) for r in (slice(0, 2), slice(2, 4))
+    ]
+    assert out["critic/optimizer_steps"] == 4
+    assert out["loss/value"] == pytest.approx(sum(updates) / 2, rel=1e-5)
+    clipped = float(mask[0].sum() + mask[2].sum())
+    assert out["critic/clipfrac"] == pytest.approx(clipped / float(mask.sum()), rel=1e-6)
