@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ppo_driver._resume import _checkpoint_to_resume
 from ppo_driver.checkpoint import (
     MANIFEST,
     CheckpointDamaged,
     find_latest,
+    input_fingerprint,
     load_checkpoint,
     restore_rng,
     rng_state,
@@ -23,6 +25,7 @@ from ppo_driver.cli import main
 from ppo_driver.config import DriverConfig, load_config
 from ppo_driver.metrics import MetricsWriter, plot_rewards, read_metrics
 from ppo_driver.run import resume_config_changes, resume_inputs
+from ppo_driver.startup import StartupError
 from ppo_driver.trace import TraceRecorder
 from ppo_trainer.testing import rounding_bound
 from safetensors.torch import save_file
@@ -311,8 +314,6 @@ def test_the_input_fingerprint_reads_the_end_of_large_weights(tmp_path: Path) ->
     """A model directory is fingerprinted by its small files and the first and last
     4 MiB of each weights file (and its size): in a 9 MiB file, a byte changed near
     the end is seen, and so is one near the start."""
-    from ppo_driver.checkpoint import input_fingerprint
-
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2"}')
@@ -332,9 +333,6 @@ def test_the_input_fingerprint_reads_the_end_of_large_weights(tmp_path: Path) ->
 def test_resume_from_a_damaged_checkpoint_names_the_newest_older_one_that_verifies(
     tmp_path: Path,
 ) -> None:
-    from ppo_driver._resume import _checkpoint_to_resume
-    from ppo_driver.startup import StartupError
-
     for step in (1, 2, 3):
         save_checkpoint(
             tmp_path,

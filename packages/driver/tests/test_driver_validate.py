@@ -1331,7 +1331,7 @@ def test_default_yaml_lists_every_key_with_the_dataclass_default() -> None:
 def test_memory_saver_needs_cuda_in_either_spelling(spelling: str) -> None:
     """The trainer reads ``torch_memory_saver`` as ``memory_saver``: validate must judge
     it the same (it used to skip the alias, so train failed after Ray started)."""
-    problems = [p for p in _errors([f"policy.offload_backend={spelling}"])]
+    problems = _errors([f"policy.offload_backend={spelling}"])
     assert [p.key for p in problems] == ["policy.offload_backend"], problems
     assert "needs CUDA" in str(problems[0]) and "host_copy" in problems[0].fix
 

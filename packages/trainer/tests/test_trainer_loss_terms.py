@@ -17,7 +17,10 @@ import pytest
 import torch
 from ppo_trainer import ActorConfig, CriticWorker
 from ppo_trainer._actor_loss import actor_loss
-from ppo_trainer._batching import shift
+from ppo_trainer._actor_step import StepSums, chunk_metrics, final_denominator, update_metrics
+from ppo_trainer._batching import check_batch, shift
+from ppo_trainer._kept_chunks import KeptChunks
+from ppo_trainer._math import policy_loss, value_loss
 from trainer_testlib import TINY, critic_config, make_data
 
 
@@ -122,8 +125,6 @@ def test_critic_loss_reads_the_shifted_values(loss_agg: str) -> None:
 def test_loss_functions_refuse_clips_that_cannot_work() -> None:
     """A dual clip must exceed 1 (at 1 it would clip every negative advantage's loss to
     the advantage itself) and a value clip must be positive (0 freezes the values)."""
-    from ppo_trainer._math import policy_loss, value_loss
-
     x = torch.zeros(1, 3)
     mask = torch.ones(1, 3)
     with pytest.raises(ValueError, match="dual_clip"):
@@ -138,8 +139,6 @@ def test_loss_functions_refuse_clips_that_cannot_work() -> None:
 
 
 def test_a_refused_chunk_denominator_leaves_the_step_unopened() -> None:
-    from ppo_trainer._actor_step import StepSums
-
     step = StepSums()
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="loss_denominator"):
@@ -162,8 +161,6 @@ def test_a_refused_chunk_denominator_leaves_the_step_unopened() -> None:
 def test_the_final_denominator_must_be_the_steps_count(
     loss_agg: str, good: list[float], bad: list[float]
 ) -> None:
-    from ppo_trainer._actor_step import final_denominator
-
     totals = {"tokens": 10.0, "samples": 3.0, "rows": 4.0}
     for given in good:
         assert final_denominator(totals, provisional=1.0, given=given, loss_agg=loss_agg) == given
@@ -175,8 +172,6 @@ def test_the_final_denominator_must_be_the_steps_count(
 def test_step_metrics_are_token_weighted_and_rescaled() -> None:
     """Clip fraction and approx KL are per valid token (their sums carry the token
     weight); the loss terms are rescaled to the final denominator, the KL's too."""
-    from ppo_trainer._actor_step import StepSums, chunk_metrics, update_metrics
-
     cfg = ActorConfig(model=TINY, kl_loss_coef=0.1, entropy_coef=0.01)
     step = StepSums()
     results = [  # two micro-batches: 3 and 5 valid tokens
@@ -199,8 +194,6 @@ def test_step_metrics_are_token_weighted_and_rescaled() -> None:
 
 
 def test_kept_chunks_count_samples_and_rows_apart() -> None:
-    from ppo_trainer._kept_chunks import KeptChunks
-
     kept = KeptChunks()
     kept.add_rows(3)
     kept.add_rows(3)  # a second chunk: rows add up
@@ -211,8 +204,6 @@ def test_kept_chunks_count_samples_and_rows_apart() -> None:
 
 @pytest.mark.parametrize("name", ["advantages", "old_logprobs", "ref_logprobs"])
 def test_a_per_token_input_of_another_width_is_refused_by_name(name: str) -> None:
-    from ppo_trainer._batching import check_batch
-
     batch = make_data(2, 5).batch
     with pytest.raises(ValueError, match=name):
         check_batch(batch, ("input_ids",), **{name: torch.zeros(2, 4)})
