@@ -431,6 +431,33 @@ def test_reward_from_a_file_sync_and_async(files: dict[str, Path]) -> None:
         assert score_group(out, record=record, reward_fn=fn, tokenizer=tok).rewards == (1.0,)
 
 
+def test_a_stop_at_a_plain_token_is_not_in_the_rewarded_text(files: dict[str, Path]) -> None:
+    """A stop id that decodes to text (a generation config may list a plain token, such as
+    a newline, among its EOS ids) is cut from the response before the reward sees it;
+    a sample cut at the length limit keeps its last token."""
+    tok = HFTokenizer(files["model"])
+    newline = tok.encode("\n")
+    assert len(newline) == 1 and tok.decode(newline) == "\n"  # a plain, decoded token
+    ids = (*tok.encode("12"), *newline)
+    seen: list[str] = []
+
+    def reward(*, response: str, record: object, finish_reason: str) -> float:
+        seen.append(response)
+        return 0.0
+
+    for finish in ("stop", "length"):
+        out = GroupOutput(
+            prompt_index=0,
+            prompt_ids=(5,),
+            samples=(
+                SampleOutput(token_ids=ids, logprobs=(0.0,) * len(ids), finish_reason=finish),
+            ),
+            weight_version=0,
+        )
+        score_group(out, record={}, reward_fn=reward, tokenizer=tok)
+    assert seen == ["12", "12\n"]
+
+
 def test_reward_file_path_is_relative_to_the_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -224,6 +224,19 @@ def test_a_critic_mini_batch_without_valid_tokens_takes_no_step() -> None:
     assert any(not torch.equal(before[k], v) for k, v in critic.export_weights().items())
 
 
+def test_critic_micro_batches_without_valid_tokens_are_not_run_or_counted() -> None:
+    """A masked row alone in its micro-batch (micro-batches of 1) is not run, so the
+    ``value_forward_backward`` counter counts the rows that were: 3 of 4, twice."""
+    data = make_data(4, 8, seed=2)
+    batch = dict(data.batch)
+    batch["loss_mask"] = batch["loss_mask"].clone()
+    batch["loss_mask"][1] = 0
+    critic = CriticWorker(critic_config("torch", micro_batch_size=1))
+    values = critic.compute_values(batch)
+    critic.train(batch, returns=values * 0, old_values=values, epochs=2, mini_batch_size=2)
+    assert critic.counters() == {"value_forward": 4, "value_forward_backward": 6}
+
+
 def test_critic_metrics_average_the_updates_and_weight_clipping_by_tokens() -> None:
     """Two epochs of two mini-batches with a learning rate too small to move float32
     weights (1e-30), so every update sees the first values V: with returns V + 0.1 and
