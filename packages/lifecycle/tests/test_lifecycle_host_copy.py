@@ -554,3 +554,141 @@ def test_release_goes_to_the_os_on_cpu_and_to_the_device_on_cuda(
     assert calls == []
     manager.sleep(parts={Part.OPTIMIZER})
     assert calls == ["trim"]
+
+
+def test_rehome_keeps_each_view_at_its_offset() -> None:
+    """Tensors that are views into one storage (a flat buffer and pieces of it, as a
+    flattened parameter has) land at their own offsets in the new storage."""
+    from ppo_lifecycle._backends import rehome
+    from ppo_lifecycle._tensors import StorageGroup
+
+    flat = torch.arange(12, dtype=torch.float32)
+    block, tail = flat[2:6].view(2, 2), flat[6:]
+    expected = [flat.clone(), block.clone(), tail.clone()]
+    group = StorageGroup(flat.untyped_storage(), [flat, block, tail])
+    fresh = torch.empty(group.nbytes, dtype=torch.uint8).untyped_storage()
+
+    rehome(group, fresh)
+
+    tensors = [flat, block, tail]
+    assert all(t.untyped_storage().data_ptr() == fresh.data_ptr() for t in tensors)
+    assert [t.storage_offset() for t in tensors] == [0, 2, 6]
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
+    block[0, 0] = -1.0  # still views of one storage
+    assert flat[2].item() == -1.0
+
+
+def test_a_cached_spill_shrinks_with_its_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cached memfd files are reused by the next sleep; when the part has shrunk (some
+    gradients set to None) the files it no longer fills are cut to what it needs, so
+    the host holds the part's bytes, not the largest it ever was."""
+    from ppo_lifecycle import _backends
+
+    model, opt = _trained()
+    backend = HostCopyBackend(
+        torch.device("cpu"), spill_to="memfd", spill_files=3, cache_host_buffers=True
+    )
+    manager = OffloadManager(model, opt, backend=backend)
+    grads = manager.part_bytes()[Part.GRADIENTS]
+    # two and a half chunks: three files (at most spill_files, one per chunk begun)
+    monkeypatch.setattr(_backends, "_SPILL_CHUNK", grads * 2 // 5)
+    manager.sleep(parts={Part.GRADIENTS})
+    spill = backend._spills[Part.GRADIENTS]
+    assert isinstance(spill, _Spill)
+    assert len(spill.fds) == 3 and {p.file for p in spill.pieces} == {0, 1, 2}
+    manager.wake_up()
+    assert backend.host_bytes() == grads  # kept for the next sleep
+
+    model.embed.weight.grad = None
+    model.hidden.weight.grad = None
+    before = snapshot(model, opt)
+    left = manager.part_bytes()[Part.GRADIENTS]
+    assert 0 < left <= grads * 2 // 5  # one chunk's worth: one file
+    manager.sleep(parts={Part.GRADIENTS})
+    assert backend.host_bytes() == spill.nbytes() == left
+    manager.wake_up()
+    assert backend.host_bytes() == left
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_spill_write_that_stops_growing_fails_and_keeps_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file that takes part of a buffer and then nothing more (``pwritev`` returns
+    0) fails the sleep before any storage is released, and the bytes already written
+    are freed."""
+    import os
+
+    model, opt = _trained()
+    backend = HostCopyBackend(torch.device("cpu"), spill_to="memfd", spill_files=1)
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    resident = manager.device_bytes()
+    real = os.pwritev
+    calls = [0]
+
+    def stalls(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 1:  # half of the first buffer lands, then the file stops growing
+            return int(real(fd, [buffers[0][: len(buffers[0]) // 2]], offset))
+        return 0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwritev", stalls)
+        with pytest.raises(OSError, match="the host copy stopped growing"):
+            manager.sleep()
+    assert calls[0] == 2
+    assert not manager.is_asleep and manager.device_bytes() == resident
+    assert backend.host_bytes() == 0
+    assert_bit_exact(before, snapshot(model, opt))
+    manager.sleep()
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_part_that_frees_exactly_the_trim_threshold_trims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ppo_lifecycle import _backends
+
+    trims: list[int] = []
+    monkeypatch.setattr(_backends, "_malloc_trim", lambda: trims.append)
+    model, opt = _trained()
+    manager = OffloadManager(model, opt)
+    params = manager.part_bytes()[Part.PARAMETERS]
+    monkeypatch.setattr(_backends.HostCopyBackend, "CPU_TRIM_MIN_BYTES", params)
+    manager.sleep(parts={Part.PARAMETERS})  # freed == the threshold: "at least"
+    assert trims == [0]
+
+
+def test_copies_wait_for_the_device_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the copies are asynchronous: a sleep waits for the device before its
+    copies (what another stream still writes) and after them (before any storage is
+    released), a wake-up once its copies are issued. CPU storages stand in for the
+    device's; the synchronisations are recorded with what they would wait for."""
+    from ppo_lifecycle._tensors import collect_groups, inventory
+
+    model, opt = _trained()
+    groups = collect_groups([Part.OPTIMIZER], inventory(model, opt, torch.device("cpu")))
+    storages = [g.storage for g in groups[Part.OPTIMIZER]]
+    contents = [torch.empty(0, dtype=torch.uint8).set_(s).clone() for s in storages]
+    backend = HostCopyBackend(torch.device("cuda", 0), pin_memory=False)
+    seen: list[tuple[int, bool]] = []
+
+    def synchronize(device: torch.device | None = None) -> None:
+        # (host buffers made so far, every storage resident with its own bytes)
+        exact = all(
+            s.nbytes() == c.numel() and torch.equal(torch.empty(0, dtype=torch.uint8).set_(s), c)
+            for s, c in zip(storages, contents, strict=True)
+        )
+        seen.append((len(backend._cache), exact))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    assert backend.offload(Part.OPTIMIZER, groups[Part.OPTIMIZER]) == sum(
+        c.numel() for c in contents
+    )
+    n = len(storages)
+    assert seen == [(0, True), (n, True)]
+    assert all(s.nbytes() == 0 for s in storages)
+    backend.reload(Part.OPTIMIZER)
+    assert seen == [(0, True), (n, True), (n, True)]

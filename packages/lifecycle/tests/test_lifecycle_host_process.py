@@ -338,3 +338,92 @@ def test_a_wake_up_that_restored_everything_succeeds_even_if_the_free_fails(
     manager.wake_up()
     assert not manager.is_asleep and backend.host_bytes() == 0
     assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_cached_host_copy_keeps_its_region_until_its_size_changes(
+    monkeypatch: pytest.MonkeyPatch, own_host: None
+) -> None:
+    """With ``cache_host_buffers`` the region stays held while awake and the next sleep
+    of the same bytes writes into it (no new allocation); a part that shrank gets a
+    region of its new size, and the old one is freed."""
+    host, reason = _host_process.shared_host_process()  # started (its own check) first
+    assert host is not None, reason
+    allocs: list[int] = []
+    real = _host_process.HostProcess.alloc
+
+    def counted(self: _host_process.HostProcess, nbytes: int) -> int:
+        allocs.append(nbytes)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(_host_process.HostProcess, "alloc", counted)
+    model, opt = _trained()
+    backend = HostCopyBackend(CPU, spill_to="process", cache_host_buffers=True)
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    grads = manager.part_bytes()[Part.GRADIENTS]
+    manager.sleep(parts={Part.GRADIENTS})
+    manager.wake_up()
+    spill = _spill(backend, Part.GRADIENTS)
+    first = spill._state["address"]
+    assert allocs == [grads] and spill.nbytes() == grads  # held while awake
+    manager.sleep(parts={Part.GRADIENTS})
+    assert allocs == [grads] and spill._state["address"] == first
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+    model.hidden.weight.grad = None
+    before = snapshot(model, opt)
+    left = manager.part_bytes()[Part.GRADIENTS]
+    manager.sleep(parts={Part.GRADIENTS})
+    assert allocs == [grads, left] and backend.host_bytes() == left
+    assert spill.host is host
+    with pytest.raises(HostProcessError, match="check"):  # the old region is gone
+        host.check(first, grads)
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_host_process_that_ended_holding_nothing_is_replaced_at_the_next_sleep(
+    own_host: None,
+) -> None:
+    """A part woken up keeps its spill (its region freed); if the host process ends
+    meanwhile, the part's next sleep goes to a new one instead of failing."""
+    model, opt = _trained()
+    backend = HostCopyBackend(CPU, spill_to="process")
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    manager.sleep(parts={Part.PARAMETERS})
+    manager.wake_up()
+    spill = _spill(backend, Part.PARAMETERS)
+    host = spill.host
+    os.kill(host.pid, signal.SIGKILL)
+    assert _gone(host.pid)
+    manager.sleep(parts={Part.PARAMETERS})
+    assert _spill(backend, Part.PARAMETERS) is spill
+    assert spill.host.pid != host.pid and spill.host.alive
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_part_smaller_than_a_chunk_is_copied_without_threads(
+    monkeypatch: pytest.MonkeyPatch, own_host: None
+) -> None:
+    """Threads share a copy by chunks of ``_SPILL_CHUNK``: a part smaller than one is
+    one job (no thread pool), whatever ``spill_files`` allows."""
+    jobs: list[int] = []
+    real = _Spill._in_parallel
+
+    def counted(batch: Any) -> None:
+        jobs.append(len(batch))
+        real(batch)
+
+    monkeypatch.setattr(_Spill, "_in_parallel", staticmethod(counted))
+    model, opt = _trained()
+    backend = HostCopyBackend(CPU, spill_to="process", spill_files=3)
+    manager = OffloadManager(model, opt, backend=backend)
+    before = snapshot(model, opt)
+    assert manager.device_bytes() < _backends._SPILL_CHUNK
+    manager.sleep()
+    manager.wake_up()
+    assert jobs and set(jobs) == {1}  # one per part and direction
+    assert_bit_exact(before, snapshot(model, opt))
