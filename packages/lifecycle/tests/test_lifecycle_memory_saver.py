@@ -11,6 +11,7 @@ refuse instead of letting the library end the process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -351,3 +352,272 @@ def test_a_library_without_retention_is_used_as_it_is(
     assert not backend.retain_host_copies
     for hook in hooks:
         hook()  # no C library yet (the stand-in's _impl is None): nothing to mark
+
+
+def test_storages_already_in_their_region_are_not_moved_again(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage moved into its region at the first sleep is recognised there (same
+    storage, same address) at the next one: nothing is copied twice."""
+    manager, model, opt = _manager("tms-again")
+    moved: list[int] = []
+    rehome = _backends.rehome
+
+    def counted(group: object, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
+        moved.append(fresh.nbytes())
+        return rehome(group, fresh)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_backends, "rehome", counted)
+    manager.sleep()
+    manager.wake_up()
+    assert len(moved) == len(_storages(model, opt))
+    pointers = [s.data_ptr() for s in _storages(model, opt)]
+    before = snapshot(model, opt)
+    first = len(moved)
+    manager.sleep()
+    assert len(moved) == first
+    manager.wake_up()
+    assert [s.data_ptr() for s in _storages(model, opt)] == pointers
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_adopted_storages_in_a_private_pool_stay_and_the_others_move(
+    saver: tuple[_StandIn, _Device],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Storages adopted as allocated in a region are checked against the allocator's
+    private pools at the first sleep: one inside a pool's segment stays where it is,
+    the others (allocated elsewhere, e.g. by backward()) are moved in, logged."""
+    manager, model, opt = _manager("tms-adopt")
+    params = list(model.parameters())
+    manager.backend.adopt_tensors(Part.PARAMETERS, params)
+    kept = model.hidden.weight.untyped_storage()
+    start = kept.data_ptr()
+    monkeypatch.setattr(
+        _backends, "_private_pool_ranges", lambda _d: [(start, start + kept.nbytes())]
+    )
+    pointers = [p.data_ptr() for p in params]
+    before = snapshot(model, opt)
+    with caplog.at_level(logging.WARNING, logger="ppo_lifecycle"):
+        manager.sleep(parts=[Part.PARAMETERS])
+    after = [p.data_ptr() for p in params]
+    assert [a == b for a, b in zip(after, pointers, strict=True)] == [
+        p is model.hidden.weight for p in params
+    ]
+    stray = len(params) - 1
+    assert f"{stray} storage(s) recorded as allocated in the parameters region" in caplog.text
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_the_cache_is_emptied_each_time_release_every_bytes_were_moved(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During a part's first sleep the old blocks go back to the device each time
+    another ``RELEASE_EVERY_BYTES`` were moved (not after every storage once past
+    it), and once more after the pause."""
+    tms, _ = saver
+    manager, _, _ = _manager("tms-cadence")
+    every = 1024
+    monkeypatch.setattr(TorchMemorySaverBackend, "RELEASE_EVERY_BYTES", every)
+    events: list[int | str] = []
+    rehome = _backends.rehome
+
+    def moving(group: object, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
+        events.append(fresh.nbytes())
+        return rehome(group, fresh)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_backends, "rehome", moving)
+    monkeypatch.setattr(_backends, "release_device_memory", lambda _d: events.append("release"))
+    monkeypatch.setattr(tms, "pause", lambda tag: events.append("pause"))
+    manager.sleep()
+    since = 0
+    for i, event in enumerate(events):
+        if isinstance(event, int):
+            since += event
+            assert (events[i + 1] == "release") is (since >= every), (i, events)
+            if since >= every:
+                since = 0
+        elif event == "pause":
+            assert events[i + 1] == "release", events
+            since = 0  # each part counts afresh
+    assert events.count("pause") == len(Part)  # every tag, the empty gradients' too
+    # the premise: some storage moved after a release does not reach the threshold
+    assert any(
+        isinstance(e, int) and e < every and events[i - 1] == "release"
+        for i, e in enumerate(events)
+    )
+
+
+def test_a_wake_up_needs_the_storages_bytes_plus_headroom_and_no_more(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where this torch reports no segment pools, a wake-up asks for the part's bytes
+    plus ``HEADROOM_BYTES``; exactly that much free is enough, before or after
+    emptying this process's cache."""
+    _, device = saver
+    manager, model, opt = _manager("tms-exact")
+    before = snapshot(model, opt)
+    manager.sleep(parts=[Part.OPTIMIZER])
+    need = manager.part_bytes()[Part.OPTIMIZER] + TorchMemorySaverBackend.HEADROOM_BYTES
+    releases: list[int] = []
+
+    def release(_device: torch.device) -> None:
+        releases.append(device.free)
+
+    monkeypatch.setattr(_backends, "release_device_memory", release)
+    device.free = need - 1
+    with pytest.raises(RuntimeError, match=rf"waking optimizer needs {need} bytes"):
+        manager.wake_up()
+    assert releases == [need - 1] and manager.asleep_parts == {Part.OPTIMIZER}
+    device.free = need  # enough at once: the cache is not emptied
+    manager.wake_up()
+    assert releases == [need - 1] and not manager.is_asleep
+    assert_bit_exact(before, snapshot(model, opt))
+
+    manager.sleep(parts=[Part.OPTIMIZER])
+    releases.clear()
+    device.free = need - 1
+
+    def frees_exactly_enough(_device: torch.device) -> None:
+        releases.append(device.free)
+        device.free = need
+
+    monkeypatch.setattr(_backends, "release_device_memory", frees_exactly_enough)
+    manager.wake_up()
+    assert releases == [need - 1] and not manager.is_asleep
+    assert_bit_exact(before, snapshot(model, opt))
+
+
+def test_a_wake_up_counts_only_its_own_regions_segments(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another region's pool (another part's, another model's) is not mapped back by
+    this part's resume: its segments are not counted."""
+    manager, _, _ = _manager("tms-own-pool")
+    segment, pool, other = 2 << 20, (1, 7), (1, 8)
+    in_region: list[int] = []
+    rehome = _backends.rehome
+
+    def into_region(group: object, fresh: torch.UntypedStorage) -> torch.UntypedStorage:
+        in_region.append(fresh.data_ptr())
+        return rehome(group, fresh)  # type: ignore[arg-type]
+
+    def segments(_device: torch.device) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = [
+            {"address": ptr, "total_size": segment, "segment_pool_id": pool} for ptr in in_region
+        ]
+        out.append({"address": 1, "total_size": 64 << 20, "segment_pool_id": other})
+        return out
+
+    monkeypatch.setattr(_backends, "rehome", into_region)
+    monkeypatch.setattr(_backends, "_device_segments", segments)
+    manager.sleep(parts=[Part.OPTIMIZER])
+    assert in_region
+    assert manager.backend.resume_bytes(Part.OPTIMIZER) == len(in_region) * segment
+    manager.wake_up()
+
+
+def test_segments_are_those_of_the_backends_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot_ = [
+        {"device": 0, "address": 10, "total_size": 2, "segment_pool_id": (1, 1)},
+        {"device": 1, "address": 20, "total_size": 4, "segment_pool_id": (1, 2)},
+        {"device": 1, "address": 30, "total_size": 8, "segment_pool_id": (0, 0)},
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot_)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _backends._device_segments(torch.device("cuda", 0)) == snapshot_[:1]
+    assert _backends._device_segments(torch.device("cuda", 1)) == snapshot_[1:]
+    assert _backends._device_segments(torch.device("cuda")) == snapshot_[1:]  # the current one
+    assert _backends._private_pool_ranges(torch.device("cuda", 1)) == [(20, 24)]
+
+
+def test_only_the_parts_named_keep_a_cpu_backup(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tms, _ = saver
+    regions: dict[str, bool] = {}
+
+    @contextlib.contextmanager
+    def region(tag: str, enable_cpu_backup: bool) -> Iterator[None]:
+        regions[tag] = enable_cpu_backup
+        yield
+
+    monkeypatch.setattr(tms, "region", region)
+    model, opt = make()
+    train_step(model, opt, seed=1)
+    backend = TorchMemorySaverBackend(
+        torch.device("cuda", 0),
+        name="tms-backup",
+        cpu_backup_parts=frozenset({Part.PARAMETERS, Part.OPTIMIZER}),
+    )
+    backend.device = torch.device("cpu")
+    manager = OffloadManager(model, opt, backend=backend, keep_gradients=False)
+    manager.sleep()
+    assert regions == {
+        "tms-backup/parameters": True,
+        "tms-backup/optimizer": True,
+        "tms-backup/buffers": False,
+    }
+    manager.wake_up()
+
+
+def test_a_name_is_refused_while_live_and_a_tag_while_paused(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two live backends may not share a name; and a tag left paused by a backend that
+    is gone (the library still holds it paused) is refused by the next one, which
+    would otherwise make the library end the process."""
+    import gc
+
+    monkeypatch.setattr(TorchMemorySaverBackend, "_paused_tags", set())
+    tms, _ = saver
+    manager, _, _ = _manager("tms-gone")
+    with pytest.raises(ValueError, match="name 'tms-gone' is already used by a live backend"):
+        TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-gone")
+    manager.sleep(parts=[Part.OPTIMIZER])
+    del manager
+    gc.collect()
+    again, _, _ = _manager("tms-gone")  # the name is free once its backend is gone
+    pauses = [c for c in tms.calls if c[0] == "pause"]
+    refused = "tag 'tms-gone/optimizer' is already paused by another backend"
+    with pytest.raises(RuntimeError, match=refused):
+        again.sleep(parts=[Part.OPTIMIZER])
+    assert [c for c in tms.calls if c[0] == "pause"] == pauses
+    again.sleep(parts=[Part.PARAMETERS])  # another tag
+    again.wake_up()
+
+
+def test_the_default_hook_mode_follows_ld_preload(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tms, _ = saver
+    hook = "/site/torch_memory_saver_hook_mode_preload_cu12.abi3.so"
+    monkeypatch.setenv("LD_PRELOAD", f"/lib/other.so:{hook}")
+    backend = TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-preload")
+    assert backend.hook_mode == "preload" and tms.modes == ["preload"]
+
+
+@pytest.mark.parametrize("preload", ["", "/a/torch_memory_saver_a.so:/b/torch_memory_saver_b.so"])
+def test_preload_hook_mode_needs_exactly_one_hook(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch, preload: str
+) -> None:
+    tms, _ = saver
+    monkeypatch.setenv("LD_PRELOAD", preload)
+    with pytest.raises(ValueError, match="exactly one torch_memory_saver hook in LD_PRELOAD"):
+        TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-hooks", hook_mode="preload")
+    assert tms.modes == []
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_expandable_segments_are_refused_among_other_settings(
+    saver: tuple[_StandIn, _Device], monkeypatch: pytest.MonkeyPatch, var: str
+) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv(var, "garbage_collection_threshold:0.6,expandable_segments:True")
+    with pytest.raises(ValueError, match="does not work with expandable_segments:True"):
+        TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-expandable")
+    monkeypatch.setenv(var, "garbage_collection_threshold:0.6,expandable_segments:False")
+    TorchMemorySaverBackend(torch.device("cuda", 0), name="tms-expandable")
