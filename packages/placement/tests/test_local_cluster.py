@@ -19,6 +19,7 @@ from ppo_placement import (
     start_local_ray,
 )
 from ppo_placement import _placement as placement_module
+from ppo_placement import _ray_start as ray_start_module
 from ppo_placement._ray_processes import _descendants_started_after
 from ray.util import placement_group_table
 
@@ -113,6 +114,15 @@ def test_second_start_reuses_the_running_cluster(local_ray: LocalRay) -> None:
     assert again.session_dir == local_ray.session_dir
     # what the running cluster was started with, not what the second call asked for
     assert again.worker_env == local_ray.worker_env == WORKER_ENV == local_worker_env()
+
+
+def test_worker_env_of_another_session_is_not_this_clusters(
+    local_ray: LocalRay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what start_local_ray recorded for a cluster since replaced (ray.shutdown() and a
+    # ray.init elsewhere) does not describe the one this process is connected to
+    monkeypatch.setattr(ray_start_module, "_started_env", ("session_gone", {"A": "1"}))
+    assert local_worker_env() == {}
 
 
 def _in_a_task_then_an_actor(probe: Callable[[], object]) -> list[object]:

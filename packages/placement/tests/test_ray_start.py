@@ -4,6 +4,7 @@ except the retry test; the running cluster is tested in test_local_cluster.py)."
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,30 @@ def test_retry_recovers_from_a_slow_agent(
     finally:
         shutdown_local_ray()
     assert "Timed out waiting for file" in caplog.text
+
+
+def test_the_edges_of_each_argument_are_accepted() -> None:
+    from ppo_placement._ray_start import _check_start_args
+
+    _check_start_args(num_cpus=1, num_gpus=0, attempts=1, nodes=1, worker_niceness=19)
+    _check_start_args(num_cpus=None, num_gpus=0, attempts=1, nodes=1, worker_niceness=0)
+    _check_start_args(num_cpus=None, num_gpus=0, attempts=1, nodes=1, worker_niceness=None)
+
+
+def test_node_arguments() -> None:
+    from ppo_placement._ray_start import _node_args
+
+    cores = os.cpu_count() or 1
+    # no num_cpus: the core count, but one CPU per GPU at least (a {"GPU": 1, "CPU": 1}
+    # bundle per GPU must fit)
+    assert _node_args(None, 0, None, None)["num_cpus"] == cores
+    assert _node_args(None, cores + 3, None, None)["num_cpus"] == cores + 3
+    args = _node_args(2, 1, {"accelerator_x": 1.0}, 1 << 28)
+    assert args == {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "resources": {"accelerator_x": 1.0},
+        "object_store_memory": 1 << 28,
+        "include_dashboard": False,
+    }
+    assert _node_args(2, 1, {}, None)["resources"] is None
