@@ -113,3 +113,20 @@ def test_node_arguments() -> None:
         "include_dashboard": False,
     }
     assert _node_args(2, 1, {}, None)["resources"] is None
+
+
+def test_worker_env_asks_nothing_of_a_ray_that_is_not_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What start_local_ray recorded outlives a ``ray.shutdown()`` made without
+    shutdown_local_ray(); with Ray down there is no cluster to describe, and asking
+    Ray for its session would start a new local instance."""
+    from ppo_placement import _ray_start, local_worker_env
+
+    assert not ray.is_initialized()
+    monkeypatch.setattr(_ray_start, "_started_env", ("session_gone", {"A": "1"}))
+    try:
+        assert local_worker_env() == {}
+        assert not ray.is_initialized()
+    finally:
+        shutdown_local_ray()
