@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from ppo_driver.batch import ChunkBatch, StepBatch
 from ppo_driver.pump import ChunkGate, NonFiniteError, check_finite_metrics
 from ppo_driver.workers import (
     NOW,
+    CallOptions,
     GroupResult,
     Pending,
     Rows,
@@ -26,13 +28,21 @@ from ppo_driver.workers import (
     mini_batch_order,
     shard_rows,
 )
+from ppo_lifecycle import Part
 from ppo_sampler import InOrderSampler, ReadyFirstSampler
 from ppo_trainer import ActorConfig, ActorWorker, CriticWorker, Mesh
 
 
-def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> list[list[int]]:
+def _run_step(
+    gate: ChunkGate,
+    arrivals: list[list[int]],
+    *,
+    step: int = 0,
+    blocks: list[list[int]] | None = None,
+) -> list[list[int]]:
     """Feed ``arrivals`` (bursts of finished group ids) and claim chunks after each burst,
-    as the pump does between polls. Returns the claimed chunks."""
+    as the pump does between polls. Returns the claimed chunks (``blocks``: each one's
+    ``gate.blocks`` is appended)."""
     gate.begin_step(step)
     chunks: list[list[int]] = []
     for burst in arrivals:
@@ -40,6 +50,8 @@ def _run_step(gate: ChunkGate, arrivals: list[list[int]], *, step: int = 0) -> l
             gate.sampler.add(gid, step=step, weight_version=step)
         while ids := gate.take(trainer_version=step):
             chunks.append(ids)
+            if blocks is not None:
+                blocks.append(list(gate.blocks))
     assert gate.remaining == 0
     return chunks
 
@@ -90,12 +102,15 @@ def test_fixed_blocks_that_are_ready_go_into_one_chunk(merge: bool) -> None:
     sampler = InOrderSampler(max_lookahead_versions=0, fixed_chunks=True)
     gate = ChunkGate(sampler, batch=16, min_groups=4, alignment=1, merge_blocks=merge)
     # groups 0-10 done (blocks 0 and 1 whole, block 2 not), then 11, then the rest
-    chunks = _run_step(gate, [list(range(11)), [11], list(range(12, 16))])
+    sizes: list[list[int]] = []  # the gate's groups per block of each chunk
+    chunks = _run_step(gate, [list(range(11)), [11], list(range(12, 16))], blocks=sizes)
     blocks = [list(range(i, i + 4)) for i in range(0, 16, 4)]
     if merge:
         assert chunks == [blocks[0] + blocks[1], blocks[2], blocks[3]]
+        assert sizes == [[4, 4], [4], [4]]
     else:
         assert chunks == blocks
+        assert sizes == [[4]] * 4
 
 
 def test_steps_never_share_or_lose_groups() -> None:
@@ -276,6 +291,8 @@ def test_metric_reducer_keeps_non_finite_values_and_the_step_refuses_them() -> N
         values=[{"loss/value": 1.0, "n": 1.0}, {"loss/value": float("inf"), "n": 2.0}]
     ).summed()
     assert summed == {"loss/value": float("inf"), "n": 3.0}
+    # numbers every rank computed alike are data-parallel rank 0's
+    assert GroupResult(values=[{"n": 1.0}, {"n": 2.0}]).reduced() == {"n": 1.0}
     check_finite_metrics(4, {"step": 4, "loss/pg": 0.5, "train/chunk_groups": [2, 2]})
     with pytest.raises(NonFiniteError, match=r"^step 4: non-finite metric\(s\): ") as info:
         check_finite_metrics(4, {"step": 4, **summed, "critic/grad_norm": float("nan")})
@@ -389,3 +406,114 @@ def test_a_lost_worker_is_named_by_the_death_not_by_rays_task_wrapper() -> None:
     assert type(wrapped).__name__ == "RayTaskError(ActorDiedError)"
     assert error_name(wrapped) == error_name(rex.ActorDiedError()) == "ActorDiedError"
     assert error_name(ValueError()) == "ValueError"
+
+
+def test_host_keeps_the_timeline_its_call_recorded_not_an_earlier_calls() -> None:
+    """``_Host.call`` returns the worker's ``last_timeline`` when this call recorded it
+    (it starts at or after the call did), and the call's own span in place of one an
+    earlier call left behind."""
+    from ppo_driver.workers import _Host
+
+    class _Timed(_EchoWorker):
+        def __init__(self, config: Any, **kwargs: Any) -> None:
+            super().__init__(config, **kwargs)
+            self.timeline: list[tuple[str, float, float]] = []
+
+        def last_timeline(self) -> list[tuple[str, float, float]]:
+            return self.timeline
+
+        def timed(self, rows: dict[str, torch.Tensor]) -> None:
+            self.timeline = [("timed.work", time.time(), time.time())]
+
+    threads = torch.get_num_threads()
+    try:
+        host = _Host(_Timed, ActorConfig(), 0, 1)
+        host.build(None)
+    finally:
+        torch.set_num_threads(threads)
+    start = time.time()
+    _, timeline = host.call("timed", {"x": torch.zeros(1)}, {}, {})
+    ((label, t0, _),) = timeline
+    assert label == "timed.work" and t0 >= start
+    stale = [("wake_up", start - 10.0, start - 9.0)]  # left by an earlier call
+    assert isinstance(host.worker, _Timed)
+    host.worker.timeline = stale
+    _, timeline = host.call("double", {"x": torch.zeros(1)}, {"scale": torch.ones(1)}, {})
+    ((label, t0, t1),) = timeline
+    assert label == "double" and start <= t0 <= t1
+
+
+class _Remote:
+    """A rank's ``call`` method as a Ray actor handle has it: ``.remote`` records."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.got: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def remote(self, *args: Any, **kwargs: Any) -> tuple[str, int]:
+        self.got.append((args, kwargs))
+        return ("ref", self.rank)
+
+
+def test_a_row_call_gives_every_rank_its_rows_and_orders_it_after_the_queued_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``TrainGroup.submit_rows`` on four ranks, tensor parallel 2 (data-parallel ranks 0,
+    0, 1, 1), a chunk of two fixed blocks of 4 rows: every rank gets ONE call carrying its
+    data-parallel rank's rows (its share of each block) and the same rows of every
+    per-sample tensor, the plain arguments with the plan's lifecycle choice, and the refs
+    of the calls it must follow. The result is taken from the first rank of each
+    data-parallel group, its rows put back in the chunk's order."""
+    import ray
+
+    monkeypatch.setattr(ray, "put", lambda value: value)  # the object store: the value
+    group = _unstarted_group(ActorWorker)
+    remotes = [_Remote(rank) for rank in range(4)]
+    group.handles = [type("Handle", (), {"call": r})() for r in remotes]
+    group.meshes = [
+        Mesh(
+            rank=r,
+            world_size=4,
+            dp_rank=r // 2,
+            dp_size=2,
+            tp_size=2,
+            pp_size=1,
+            tp_rank=r % 2,
+            pp_rank=0,
+        )
+        for r in range(4)
+    ]
+    group._dp_of, group.leaders = data_parallel_layout(group.meshes)
+    rows = Rows({"input_ids": torch.arange(8)[:, None]}, blocks=[4, 4])
+    lost = WorkerLost("actor", 0, None, None, "ActorDiedError")
+    queued: Pending[object] = Pending(["sleep0", "wake1"], [0], lambda _: lost, lambda _: False)
+    options = CallOptions(wake_first=True, sleep_after=frozenset({Part.GRADIENTS}), after=[queued])
+    pending = group.submit_rows(
+        options,
+        ActorWorker.train_chunk,
+        rows,
+        advantages=torch.arange(8.0) * 10,
+        loss_denominator=16.0,
+        keep=True,
+    )
+    shares = [[0, 1, 4, 5], [2, 3, 6, 7]]  # each data-parallel rank's half of each block
+    for rank, remote in enumerate(remotes):
+        ((args, kwargs),) = remote.got
+        name, own_rows, per_sample, plain, *after = args
+        assert name == "train_chunk" and kwargs == {"args": ()}
+        assert own_rows["input_ids"].squeeze(1).tolist() == shares[rank // 2], rank
+        assert per_sample["advantages"].tolist() == [10.0 * i for i in shares[rank // 2]]
+        assert plain == {
+            "loss_denominator": 16.0,
+            "keep": True,
+            "wake_first": True,
+            "sleep_after": frozenset({Part.GRADIENTS}),
+        }
+        assert after == ["sleep0", "wake1"]
+    # each rank answers its rows' ids; the tensor-parallel peers (ranks 1 and 3) answer
+    # something else, which must not be read
+    answers = [torch.tensor(shares[r // 2], dtype=torch.float) * (-1) ** r for r in range(4)]
+    monkeypatch.setattr(ray, "get", lambda refs: [(answers[r], [("w", r, r)]) for _, r in refs])
+    result = pending.result()
+    assert result.tensor().tolist() == [float(i) for i in range(8)]
+    assert result.timeline == [("w", 0, 0)]

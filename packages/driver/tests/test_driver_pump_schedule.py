@@ -1,13 +1,16 @@
 """The pump's step schedule (the streaming document's update lifecycle), observed from
 inside the calls it orders: what the critic's training call sees (the step counter, the
-replay buffer's rows, the engines' state and weight version), and the order in which
-the worker groups, the engines and the rollout side are called.
+replay buffer's rows, the engines' state and weight version), the order in which
+the worker groups, the engines and the rollout side are called, and what the pump
+computes between the calls (the advantages and loss denominators the actor gets, the
+critic's training inputs, each step's metrics).
 
 Real: the pump, the sampler, the replay buffer and its batch builder, the residency
 planner, the trace. Fakes stand only for what runs on other processes: the two worker
-groups (one rank each; a call does its work when submitted, which is when Ray would
-start it, since the pump submits in dependency order) and the engines (generation is
-instant: each poll files the next group(s) the sampler admits).
+groups (one data-parallel rank each unless a test sets more; a call does its work when
+submitted, which is when Ray would start it, since the pump submits in dependency
+order) and the engines (generation is instant: each poll files the next group(s) the
+sampler admits).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from driver_testlib import TINY_RUN, chunk_batch
 from ppo_driver.batch import StepBatch
 from ppo_driver.config import DriverConfig, load_config, sampler_config
 from ppo_driver.pair import TrainPair
-from ppo_driver.pump import TrainPump
+from ppo_driver.pump import NonFiniteError, TrainPump, _StepState
 from ppo_driver.rollout import (
     GroupOutput,
     ReplayBuffer,
@@ -32,9 +35,11 @@ from ppo_driver.rollout import (
     build_batch,
 )
 from ppo_driver.trace import TraceRecorder
-from ppo_driver.workers import NOW, CallOptions, GroupResult, Rows
+from ppo_driver.workers import NOW, CallOptions, GroupResult, Rows, mini_batch_order
 from ppo_lifecycle import Action, Role, Transition
 from ppo_sampler import Sampler, make_sampler
+from ppo_trainer import Moments, gae, masked_moments, masked_whiten, whiten_with
+from ppo_trainer.testing import rounding_bound
 
 PAD = 0
 STREAMING = ["async_rl.min_groups_for_streaming_train=2"]  # TINY_RUN's: 8 groups, minimum 2
@@ -85,14 +90,20 @@ class World:
     shared: list[tuple[str, frozenset[str], bool]] = field(default_factory=list)
     # (len(log) when the pump waited for a call's result, the call's position in the log)
     awaited: list[tuple[int, int]] = field(default_factory=list)
+    # each call with rows: ("<role>.<method>", its rows and per-sample tensors)
+    tensors: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    actor_loss: float = 0.0  # what the actor's train_chunk reports as loss/pg
+    actor_error: BaseException | None = None  # what its train_chunk raises instead
 
 
 class _Done:
     """A call whose work was done at submit; it reports itself running for ``runs``
-    checks of :meth:`done` (the world's ``critic_train_checks``, for the critic's training)."""
+    checks of :meth:`done` (the world's ``critic_train_checks``, for the critic's training).
+    ``value``: one data-parallel rank's result, or a list of them (one per rank)."""
 
     def __init__(self, value: Any, label: str, runs: int = 0, world: World | None = None) -> None:
-        self.value, self.label, self.runs, self.world = value, label, runs, world
+        self.values = value if isinstance(value, list) else [value]
+        self.label, self.runs, self.world = label, runs, world
         self.refs = (label,)
         self.index = len(world.log) - 1 if world is not None else -1  # its own log entry
 
@@ -103,17 +114,27 @@ class _Done:
     def result(self) -> GroupResult[Any]:
         if self.world is not None:
             self.world.awaited.append((len(self.world.log), self.index))
-        return GroupResult(values=[self.value], timeline=[(self.label, 0.0, 0.0)])
+        return GroupResult(values=self.values, timeline=[(self.label, 0.0, 0.0)])
+
+
+def _values(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fake critic's values: a different one at each token (not 0: the discount
+    factor and GAE's lambda then enter the advantages in different ways)."""
+    return (inputs["input_ids"] % 5).float() / 4
 
 
 class _Group:
-    """A one-rank worker group: records each call, does the work at submit."""
+    """A worker group of ``dp_size`` data-parallel ranks (one unless a test sets more):
+    records each call, does the work at submit. ``train_chunk`` (on each rank's share of
+    the rows: ``Rows.split``), ``counters`` and the critic's ``train`` answer once per
+    rank; any other call answers for all its rows at once."""
 
     dp_size = 1
 
     def __init__(self, role: str, world: World, rollout: _Rollout, engines: _Engines) -> None:
         self.role, self.world, self.rollout, self.engines = role, world, rollout, engines
-        self.passes = 0
+        self.trained: dict[int, float] = {}  # rows trained on (forward + backward), per rank
+        self.kept: dict[int, float] = {}  # rows the rank keeps for epochs 2..K
 
     def submit(
         self, options: CallOptions, method: Callable[..., Any], /, *args: Any, **kwargs: Any
@@ -172,16 +193,44 @@ class _Group:
         if sleep_after is not None or method == "sleep":
             self.world.resident.discard(self.role)
         inputs = rows.tensors if rows is not None else {}
+        if rows is not None:
+            tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            self.world.tensors.append((f"{self.role}.{method}", {**inputs, **tensors}))
         value: Any = None
-        if method in ("compute_values", "compute_logprobs"):
+        if method == "compute_values":
+            value = _values(inputs)
+        elif method == "compute_logprobs":
             value = torch.zeros(inputs["loss_mask"].shape)
         elif method == "train_chunk":
-            self.passes += 1
-            value = {"actor/valid_tokens": float(inputs["loss_mask"].sum()), "loss/pg": 0.0}
-        elif method in ("finish_step", "train_epochs"):
-            value = {"actor/grad_norm": 0.0}
+            assert rows is not None
+            if self.world.actor_error is not None:
+                raise self.world.actor_error
+            value = []
+            for rank, share in enumerate(rows.split(self.dp_size)):
+                mask = inputs["loss_mask"][share]
+                self.trained[rank] = self.trained.get(rank, 0.0) + mask.shape[0]
+                if kwargs["keep"]:
+                    self.kept[rank] = self.kept.get(rank, 0.0) + mask.shape[0]
+                value.append(
+                    {
+                        "actor/valid_tokens": float(mask.sum()),
+                        "loss/pg": self.world.actor_loss,
+                        # the engine/trainer KL over the rank's valid tokens: 1/4 each
+                        "rollout/kl_engine_trainer_sum": 0.25 * float(mask.sum()),
+                    }
+                )
+        elif method == "finish_step":
+            value = {"actor/grad_norm": 0.0, "actor/updates": 1.0}  # the step's updates
+        elif method == "train_epochs":
+            for rank, kept in self.kept.items():
+                self.trained[rank] += kwargs["epochs"] * kept
+            self.kept = {}
+            value = {"actor/grad_norm": 0.0, "actor/updates": 1.0 + kwargs["epochs"]}
         elif method == "counters":
-            value = {"policy_forward_backward": float(self.passes)}
+            value = [
+                {"policy_forward_backward": self.trained.get(rank, 0.0)}
+                for rank in range(self.dp_size)
+            ]
         elif method == "train":  # the critic's training: look around
             try:
                 pump.save_models(Path("ckpt"), step=pump.completed_steps)
@@ -200,7 +249,7 @@ class _Group:
                     save_refused=refused,
                 )
             )
-            value = {"loss/value": 0.0}
+            value = [{"loss/value": float(rank)} for rank in range(self.dp_size)]
         runs = self.world.critic_train_checks if method == "train" else 0
         return _Done(value, f"{self.role}.{method}", runs, self.world)
 
@@ -246,6 +295,7 @@ class _Rollout:
         self.batch = world.cfg.batch_groups
         self.n = world.cfg.ppo.num_generations_per_prompt
         self.wake_ons: list[tuple[Any, ...]] = []  # each poll's wake_on
+        self.claims: list[dict[str, torch.Tensor]] = []  # each chunk's batch, as claimed
 
     @property
     def groups_in_flight(self) -> int:
@@ -291,7 +341,8 @@ class _Rollout:
 
     def claim(self, group_ids: Sequence[int]) -> dict[str, torch.Tensor]:
         self.world.log.append(Call("rollout", "claim"))
-        return build_batch(self.buffer.claim(sorted(group_ids)), pad_id=PAD)
+        self.claims.append(build_batch(self.buffer.claim(sorted(group_ids)), pad_id=PAD))
+        return self.claims[-1]
 
     def release(self, group_ids: Iterable[int]) -> None:
         ids = [int(g) for g in group_ids]
@@ -362,6 +413,9 @@ def test_refit_then_critic_training_then_release_then_count(mode: list[str]) -> 
         # checkpoint exclusion covers the whole update, critic training included
         assert "save between steps" in seen.save_refused
         assert not seen.engines_paused  # generation has devices of its own: never paused
+        # one policy epoch: the actor ranks keep no chunk (nothing to train them again)
+        kept = [dict(c.args)["keep"] for c in world.log if c.what == "train_chunk"]
+        assert kept and not any(kept)
     assert all(c.what not in ("pause", "resume") for c in world.log)
     before = len(world.log)
     world.pump.save_models(Path("ckpt"), step=2)  # between steps
@@ -560,3 +614,248 @@ def test_start_builds_one_model_at_a_time_and_the_plan_puts_the_actor_to_sleep()
     assert all(len(r) == 1 for e, r, _ in world.shared)  # one model resident at a time
     report = world.pump.run_step()  # the first step runs from that state
     assert world.pump.completed_steps == 1 and report.chunk_groups
+
+
+def _lengths(step: int) -> dict[int, list[int]]:
+    """The response length of each sample of each group of ``step`` (``_Rollout._group``:
+    sample ``j`` of group ``g`` has ``1 + (g + j) % 5`` tokens, reward ``j % 2``)."""
+    return {g: [1 + (g + j) % 5 for j in range(2)] for g in range(8 * step, 8 * step + 8)}
+
+
+def test_step_metrics_are_each_steps_own_numbers() -> None:
+    """Two streamed steps, three policy epochs, two data-parallel actor ranks: each step's
+    metrics come from that step's batch and calls. The rewards' mean and max, the mean
+    response length, each group's longest response (in group order); one entry per chunk
+    of the actor's chunk numbers, the last chunk's included, each summed over the ranks
+    (``chunk/valid_tokens``: the chunk's valid tokens); the engine/trainer KL per valid
+    token of the whole step (the fake reports 1/4 for every token); the update's numbers
+    from the last update call (``train_epochs``: 3 updates); the wake-ups of this step
+    only. Every number is a small dyadic rational or an integer, exact in float32 and
+    float64 sums of these few terms, so they are compared exactly."""
+    world, _ = _world(*STREAMING, "ppo.ppo_epochs=3")
+    pump = world.pump
+    assert pump is not None
+    pump.pair.actor.dp_size = 2  # type: ignore[misc]
+    resident = "critic"  # at start-up
+    for step in range(2):
+        begin, first_tensor = len(world.log), len(world.tensors)
+        m = pump.run_step().metrics
+        lengths = _lengths(step)
+        assert (m["rollout/reward_mean"], m["rollout/reward_max"]) == (0.5, 1.0)
+        assert m["rollout/response_len_mean"] == sum(map(sum, lengths.values())) / 16
+        assert m["rollout/group_len_max"] == [max(n) for n in lengths.values()]
+        chunks = [t for label, t in world.tensors[first_tensor:] if label == "actor.train_chunk"]
+        assert m["train/chunks"] == len(chunks) > 1
+        assert m["chunk/valid_tokens"] == [float(t["loss_mask"].sum()) for t in chunks]
+        assert sum(m["chunk/valid_tokens"]) == sum(map(sum, lengths.values()))
+        assert m["rollout/kl_engine_trainer"] == 0.25
+        assert m["actor/updates"] == 3.0
+        # epoch 1's forward + backward and epochs 2 and 3, summed over the two ranks
+        assert m["train/actor_forwards_per_sample"] == 3.0
+        switches = 0  # a model waking after the other one was resident
+        for c in world.log[begin:]:
+            woke = c.what == "wake_up" or (c.who in ("actor", "critic") and c.wake_first)
+            if woke and c.who != resident:
+                switches, resident = switches + 1, c.who
+        assert m["train/switches"] == switches > 0
+
+
+@pytest.mark.parametrize("mode", [STREAMING, FULL_BATCH], ids=["streaming", "full_batch"])
+def test_token_mean_loss_is_divided_by_the_steps_valid_tokens(mode: list[str]) -> None:
+    """``loss_agg=token``, three policy epochs. Streaming, the step's valid-token count
+    is known only after the last chunk: every chunk gets the same provisional count
+    (samples per step x ``max_new_tokens``) and the update (``finish_step``) the true
+    one, the sum of all the chunks' valid tokens. Full batch, the one chunk is the step:
+    its own count from the start, and no count for the update. Epochs 2 and 3
+    (``train_epochs``) get the true count in both."""
+    world, _ = _world(*mode, "ppo.loss_agg=token", "ppo.ppo_epochs=3")
+    pump = world.pump
+    assert pump is not None
+    provisional = 16.0 * world.cfg.rollout.max_new_tokens
+    for step in range(2):
+        begin = len(world.log)
+        pump.run_step()
+        tokens = float(sum(map(sum, _lengths(step).values())))
+        assert tokens != provisional
+        actor = [c for c in world.log[begin:] if c.who == "actor"]
+        chunks = [dict(c.args)["loss_denominator"] for c in actor if c.what == "train_chunk"]
+        (finish,) = [dict(c.args) for c in actor if c.what == "finish_step"]
+        (epochs,) = [dict(c.args) for c in actor if c.what == "train_epochs"]
+        if mode is STREAMING:
+            assert len(chunks) > 1 and chunks == [provisional] * len(chunks)
+            assert finish == {"loss_denominator": tokens}
+        else:
+            assert chunks == [tokens]
+            assert finish == {}  # None: the chunks' count was the true one
+        assert epochs == {"epochs": 2, "loss_denominator": tokens}
+
+
+def _gae_written_out(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """GAE per sample over its valid positions, in float64 (``ppo_trainer.gae``'s
+    definition: ``delta = r + gamma * V_next - V``, ``A = delta + gamma * lam * A_next``)."""
+    out = torch.zeros(rewards.shape, dtype=torch.float64)
+    for b in range(rewards.shape[0]):
+        next_value = next_adv = 0.0
+        for t in reversed([t for t in range(rewards.shape[1]) if mask[b, t]]):
+            delta = float(rewards[b, t]) + gamma * next_value - float(values[b, t])
+            next_adv = delta + gamma * lam * next_adv
+            next_value = float(values[b, t])
+            out[b, t] = next_adv
+    return out
+
+
+@pytest.mark.parametrize("normalization", ["previous_step", "chunk"])
+def test_the_actor_gets_gae_advantages_normalised_as_configured(normalization: str) -> None:
+    """Each chunk's advantages are the GAE (discount 0.9, lambda 0.5: with values that are
+    not 0 they enter differently) of the chunk's rewards and the critic's values for it,
+    as written out here in float64, within the float32 rounding of the recursion.
+    ``previous_step``: step 0 (no statistics yet) goes unwhitened, and its valid raw
+    advantages' statistics are the pump's ``adv_stats`` after it; step 1 is whitened with
+    them (``whiten_with``: the same float32 GAE, compared bit for bit); statistics of a
+    single token leave step 2 unwhitened. ``chunk``: each chunk whitened with its own
+    statistics (``masked_whiten``)."""
+    world, rollout = _world(
+        *STREAMING,
+        "ppo.adv_estimator.normalize_advantages=true",
+        f"ppo.adv_estimator.normalization={normalization}",
+        "ppo.adv_estimator.gamma=0.9",
+        "ppo.adv_estimator.lam=0.5",
+    )
+    pump = world.pump
+    assert pump is not None
+    stats: Moments | None = None  # step 0's, once it ran
+    for step in range(3):
+        if step == 2:
+            pump.adv_stats = Moments(n=1.0, mean=0.5, var=0.0)
+        first_claim, first_tensor = len(rollout.claims), len(world.tensors)
+        pump.run_step()
+        trained = [t for label, t in world.tensors[first_tensor:] if label == "actor.train_chunk"]
+        claims = rollout.claims[first_claim:]
+        assert len(trained) == len(claims) > 1
+        raw = []
+        for got, claim in zip(trained, claims, strict=True):
+            assert torch.equal(got["input_ids"], claim["input_ids"])
+            mask, rewards, values = claim["loss_mask"], claim["rewards"], _values(claim)
+            advantages, _ = gae(rewards=rewards, values=values, mask=mask, gamma=0.9, lam=0.5)
+            raw.append(advantages)
+            if step == 0:  # the float32 recursion: 4 rounded operations per position
+                written = _gae_written_out(rewards, values, mask, 0.9, 0.5)
+                width = mask.shape[1]
+                bound = rounding_bound(terms=4 * width, magnitude=3.0 * width)
+                assert (advantages.double() - written).abs().max() <= bound
+            if normalization == "chunk":
+                expected = masked_whiten(values=advantages, mask=mask)
+            elif step == 1:
+                assert stats is not None
+                expected = whiten_with(values=advantages, mask=mask, stats=stats)
+            else:
+                expected = advantages
+            assert torch.equal(got["advantages"], expected), (step, normalization)
+        if step == 0:
+            stats = masked_moments(
+                values=torch.cat(
+                    [a[c["loss_mask"].bool()] for a, c in zip(raw, claims, strict=True)]
+                )[None],
+                mask=torch.ones(1, sum(int(c["loss_mask"].sum()) for c in claims)),
+            )
+            assert stats.n == sum(map(sum, _lengths(0).values())) and stats.var > 0
+            assert pump.adv_stats == stats
+
+
+def test_critic_trains_on_the_step_batch_in_global_mini_batch_order() -> None:
+    """Critic training, two data-parallel critic ranks: the step batch's rows, returns and
+    old values, all three permuted alike by ``mini_batch_order`` (so each rank's k-th local
+    mini-batch is its share of the k-th global one), ``critic_ppo_epochs`` epochs, and each
+    rank's share of ``critic_mini_batch_size`` as its mini-batch."""
+    world, _ = _world(*FULL_BATCH, "ppo.critic_ppo_epochs=3")
+    pump = world.pump
+    assert pump is not None
+    pump.pair.critic.dp_size = 2  # type: ignore[misc]
+    batch = _step_batch([p for p in range(8) for _ in range(2)])
+    batch.returns = torch.arange(16.0)[:, None].expand(16, 4) + torch.arange(4.0) / 8
+    batch.old_values = -batch.returns
+    pump.in_update = True  # as inside a step
+    out = pump._critic_train(_StepState(0, policy=False), batch, colocated=False)
+    assert out == {"loss/value": 0.5}  # the mean over the ranks (which report 0 and 1)
+    (got,) = [t for label, t in world.tensors if label == "critic.train"]
+    order = mini_batch_order(16, 2, 4)
+    assert order.tolist() != list(range(16))  # two ranks: not the batch's own order
+    for key, expected in {**batch.model_inputs(), "returns": batch.returns}.items():
+        assert torch.equal(got[key], expected[order]), key
+    assert torch.equal(got["old_values"], batch.old_values[order])
+    (call,) = [c for c in world.log if (c.who, c.what) == ("critic", "train")]
+    assert dict(call.args) == {"epochs": 3, "mini_batch_size": 4}
+
+
+class _WorkerRefusal(FloatingPointError):
+    """What Ray raises for a worker's ``FloatingPointError``: the worker's own error as
+    ``cause``, its message in a traceback of the remote call."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"ray task failed\n{cause}")
+        self.cause = cause
+
+
+def test_a_non_finite_step_is_refused_naming_the_step_once() -> None:
+    """A non-finite number in the step's metrics (the actor's loss) is refused as
+    ``NonFiniteError`` naming the step once; a worker's refusal of a non-finite loss
+    (raised in the rank) becomes one naming the step and the worker's message, without
+    Ray's wrapping."""
+    world, _ = _world(*STREAMING)
+    pump = world.pump
+    assert pump is not None
+    world.actor_loss = float("nan")
+    with pytest.raises(NonFiniteError, match=r"^step 0: non-finite metric\(s\): ") as info:
+        pump.run_step()
+    assert "step 0: step" not in str(info.value) and info.value.step == 0
+    world, _ = _world(*STREAMING)
+    pump = world.pump
+    assert pump is not None
+    world.actor_error = _WorkerRefusal(FloatingPointError("actor rank 0: loss is nan"))
+    with pytest.raises(NonFiniteError) as info:
+        pump.run_step()
+    assert str(info.value) == "step 0: actor rank 0: loss is nan" and info.value.step == 0
+
+
+def test_a_chunk_whose_groups_are_not_in_the_order_taken_is_refused() -> None:
+    """A chunk of several fixed blocks is cut into the blocks' rows by position, which
+    holds only if the claimed rows list the groups in the order the gate took them; a
+    chunk in another order is refused, naming both orders."""
+    world, _ = _world(*STREAMING)
+    pump = world.pump
+    assert pump is not None
+    pump.gate.blocks = [1, 1]  # two blocks of one group (2 samples each)
+    chunk = chunk_batch([1, 1, 0, 0], 2)
+    assert pump._block_rows([1, 0], chunk) == [2, 2]
+    with pytest.raises(
+        AssertionError, match=r"groups \[1, 0\] are not in the order taken \[0, 1\]"
+    ):
+        pump._block_rows([0, 1], chunk)
+
+
+@pytest.mark.parametrize("mode", [STREAMING, COLOCATED], ids=["streaming", "colocated"])
+def test_critic_warm_up_trains_the_critic_alone_and_leaves_the_engines_weights(
+    mode: list[str],
+) -> None:
+    """``critic_warmup_steps=1``: step 0 trains the critic only: no actor call and no
+    refit (the engines keep weight version 0); streaming, the critic stays resident
+    through the whole step (no switch). Step 1 trains the policy and refits it once."""
+    world, rollout = _world(*mode, "ppo.critic_warmup_steps=1")
+    pump = world.pump
+    assert pump is not None
+    for step in range(2):
+        begin = len(world.log)
+        metrics = pump.run_step().metrics
+        calls = world.log[begin:]
+        actor = [c.what for c in calls if c.who == "actor" and c.what != "counters"]
+        refits = [c for c in calls if (c.who, c.what) == ("generation", "refit")]
+        assert rollout.engines.version == metrics["weight_version"] == len(refits) == step
+        if step == 0:
+            assert actor == []
+            if mode is STREAMING:
+                assert metrics["train/switches"] == 0
+                assert not [c for c in calls if c.what == "sleep"]
+        else:
+            assert "train_chunk" in actor and "finish_step" in actor
