@@ -215,6 +215,9 @@ class _Group:
                     {
                         "actor/valid_tokens": float(mask.sum()),
                         "loss/pg": self.world.actor_loss,
+                        # per-rank means over the rank's tokens, as the trainer's
+                        "actor/clipfrac": 0.0,
+                        "actor/approx_kl": 0.0,
                         # the engine/trainer KL over the rank's valid tokens: 1/4 each
                         "rollout/kl_engine_trainer_sum": 0.25 * float(mask.sum()),
                     }
@@ -626,8 +629,10 @@ def test_step_metrics_are_each_steps_own_numbers() -> None:
     """Two streamed steps, three policy epochs, two data-parallel actor ranks: each step's
     metrics come from that step's batch and calls. The rewards' mean and max, the mean
     response length, each group's longest response (in group order); one entry per chunk
-    of the actor's chunk numbers, the last chunk's included, each summed over the ranks
-    (``chunk/valid_tokens``: the chunk's valid tokens); the engine/trainer KL per valid
+    of the actor's chunk sums, the last chunk's included, each summed over the ranks
+    (``chunk/valid_tokens``: the chunk's valid tokens; ``chunk/pg``: its share of the
+    loss), and none of its per-rank means (epoch 1's clip fraction and approx KL, 0 by
+    construction); the engine/trainer KL per valid
     token of the whole step (the fake reports 1/4 for every token); the update's numbers
     from the last update call (``train_epochs``: 3 updates); the wake-ups of this step
     only. Every number is a small dyadic rational or an integer, exact in float32 and
@@ -636,6 +641,7 @@ def test_step_metrics_are_each_steps_own_numbers() -> None:
     pump = world.pump
     assert pump is not None
     pump.pair.actor.dp_size = 2  # type: ignore[misc]
+    world.actor_loss = 0.25  # each rank's share of each chunk's loss
     resident = "critic"  # at start-up
     for step in range(2):
         begin, first_tensor = len(world.log), len(world.tensors)
@@ -648,6 +654,8 @@ def test_step_metrics_are_each_steps_own_numbers() -> None:
         assert m["train/chunks"] == len(chunks) > 1
         assert m["chunk/valid_tokens"] == [float(t["loss_mask"].sum()) for t in chunks]
         assert sum(m["chunk/valid_tokens"]) == sum(map(sum, lengths.values()))
+        assert m["chunk/pg"] == [0.5] * len(chunks)
+        assert sorted(k for k in m if k.startswith("chunk/")) == ["chunk/pg", "chunk/valid_tokens"]
         assert m["rollout/kl_engine_trainer"] == 0.25
         assert m["actor/updates"] == 3.0
         # epoch 1's forward + backward and epochs 2 and 3, summed over the two ranks

@@ -245,7 +245,11 @@ class _StepState:
     raw_advantages: list[torch.Tensor] = field(default_factory=list)  # valid ones, per chunk
 
 
-_CHUNK_KEYS = ("actor/valid_tokens", "loss/pg", "actor/clipfrac", "actor/approx_kl")
+# Per chunk, summed over the data-parallel ranks: both are sums over the chunk's tokens
+# (each rank's loss already divided by the step's denominator). Not the actor's clip
+# fraction or approx KL: epoch 1 takes its old log-probs from its own forward, so both
+# are 0 by construction (the step's, over all its epochs, are in the update's metrics).
+_CHUNK_KEYS = ("actor/valid_tokens", "loss/pg")
 
 
 class TrainPump:
