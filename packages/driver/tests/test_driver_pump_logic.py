@@ -23,6 +23,7 @@ from ppo_driver.workers import (
     Rows,
     TrainGroup,
     WorkerLost,
+    _Host,
     block_shards,
     data_parallel_layout,
     mini_batch_order,
@@ -266,18 +267,22 @@ class _EchoWorker:
         return rows["x"] * 2 * scale
 
 
+def _build(host: _Host) -> Mesh:
+    """``host.build(None)`` (its mesh), with this process's torch thread count
+    restored afterwards (a build sets it for the rank)."""
+    threads = torch.get_num_threads()
+    try:
+        return host.build(None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_host_builds_on_request_and_calls_with_rows_and_per_sample_tensors() -> None:
     """``_Host``: the process starts empty, ``build`` makes the worker (the driver
     builds one model at a time), ``call`` passes the rows positionally and times it."""
-    from ppo_driver.workers import _Host
-
-    threads = torch.get_num_threads()
-    try:
-        host = _Host(_EchoWorker, ActorConfig(), 0, 1)
-        assert host.worker is None
-        assert host.build(None).dp_size == 1
-    finally:
-        torch.set_num_threads(threads)
+    host = _Host(_EchoWorker, ActorConfig(), 0, 1)
+    assert host.worker is None
+    assert _build(host).dp_size == 1
     out, timeline = host.call("double", {"x": torch.arange(3.0)}, {"scale": torch.ones(3)}, {})
     assert out.tolist() == [0.0, 2.0, 4.0]
     ((label, t0, t1),) = timeline
@@ -303,18 +308,13 @@ def test_metric_reducer_keeps_non_finite_values_and_the_step_refuses_them() -> N
 def test_host_passes_positional_arguments_after_the_rows() -> None:
     """A typed call's positional arguments (e.g. ``save_checkpoint(path)``) reach the
     worker method after the rows, the per-sample tensors as keywords."""
-    from ppo_driver.workers import _Host
 
     class _Worker(_EchoWorker):
         def shift(self, rows: dict[str, torch.Tensor], by: float, *, scale: torch.Tensor) -> Any:
             return rows["x"] * scale + by
 
-    threads = torch.get_num_threads()
-    try:
-        host = _Host(_Worker, ActorConfig(), 0, 1)
-        host.build(None)
-    finally:
-        torch.set_num_threads(threads)
+    host = _Host(_Worker, ActorConfig(), 0, 1)
+    _build(host)
     rows, scale = {"x": torch.arange(3.0)}, {"scale": torch.full((3,), 2.0)}
     out, _ = host.call("shift", rows, scale, {}, args=(10.0,))
     assert out.tolist() == [10.0, 12.0, 14.0]
@@ -412,7 +412,6 @@ def test_host_keeps_the_timeline_its_call_recorded_not_an_earlier_calls() -> Non
     """``_Host.call`` returns the worker's ``last_timeline`` when this call recorded it
     (it starts at or after the call did), and the call's own span in place of one an
     earlier call left behind."""
-    from ppo_driver.workers import _Host
 
     class _Timed(_EchoWorker):
         def __init__(self, config: Any, **kwargs: Any) -> None:
@@ -425,12 +424,8 @@ def test_host_keeps_the_timeline_its_call_recorded_not_an_earlier_calls() -> Non
         def timed(self, rows: dict[str, torch.Tensor]) -> None:
             self.timeline = [("timed.work", time.time(), time.time())]
 
-    threads = torch.get_num_threads()
-    try:
-        host = _Host(_Timed, ActorConfig(), 0, 1)
-        host.build(None)
-    finally:
-        torch.set_num_threads(threads)
+    host = _Host(_Timed, ActorConfig(), 0, 1)
+    _build(host)
     start = time.time()
     _, timeline = host.call("timed", {"x": torch.zeros(1)}, {}, {})
     ((label, t0, _),) = timeline

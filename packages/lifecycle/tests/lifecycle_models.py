@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ppo_lifecycle import OffloadManager
 
 
 class TinyLM(nn.Module):
@@ -69,3 +74,19 @@ def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
         assert torch.equal(
             a[key].reshape(-1).view(torch.uint8), b[key].reshape(-1).view(torch.uint8)
         ), key
+
+
+def assert_a_failed_sleep_kept_everything(
+    manager: OffloadManager,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    before: dict[str, torch.Tensor],
+    resident: int,
+) -> None:
+    """After a sleep that raised: awake, every byte still on the device, the state bit
+    for bit ``before``, and a retried sleep and wake-up round-trip it."""
+    assert not manager.is_asleep and manager.device_bytes() == resident
+    assert_bit_exact(before, snapshot(model, opt))
+    manager.sleep()
+    manager.wake_up()
+    assert_bit_exact(before, snapshot(model, opt))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from lifecycle_models import (
     TinyLM,
+    assert_a_failed_sleep_kept_everything,
     assert_bit_exact,
     batch,
     loss_fn,
@@ -483,11 +484,7 @@ def test_failed_spill_write_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> No
         patch.setattr(os, "pwritev", full)
         with pytest.raises(OSError, match="No space left"):
             manager.sleep()
-    assert not manager.is_asleep and manager.device_bytes() == resident
-    assert_bit_exact(before, snapshot(model, opt))
-    manager.sleep()
-    manager.wake_up()
-    assert_bit_exact(before, snapshot(model, opt))
+    assert_a_failed_sleep_kept_everything(manager, model, opt, before, resident)
 
 
 def test_failed_wake_up_is_retried_from_the_spill(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -638,12 +635,8 @@ def test_a_spill_write_that_stops_growing_fails_and_keeps_nothing(
         with pytest.raises(OSError, match="the host copy stopped growing"):
             manager.sleep()
     assert calls[0] == 2
-    assert not manager.is_asleep and manager.device_bytes() == resident
     assert backend.host_bytes() == 0
-    assert_bit_exact(before, snapshot(model, opt))
-    manager.sleep()
-    manager.wake_up()
-    assert_bit_exact(before, snapshot(model, opt))
+    assert_a_failed_sleep_kept_everything(manager, model, opt, before, resident)
 
 
 def test_a_part_that_frees_exactly_the_trim_threshold_trims(

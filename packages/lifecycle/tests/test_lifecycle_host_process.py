@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from lifecycle_models import TinyLM, assert_bit_exact, batch, loss_fn, make, snapshot
+from lifecycle_models import (
+    TinyLM,
+    assert_a_failed_sleep_kept_everything,
+    assert_bit_exact,
+    batch,
+    loss_fn,
+    make,
+    snapshot,
+)
 from ppo_lifecycle import (
     KEEP_GRADIENTS,
     HostCopyBackend,
@@ -83,10 +91,9 @@ def test_split_cuts_spans_into_back_to_back_runs() -> None:
     assert [o for _, o in _backends._split(big, 3)] == [0, 2 * _backends._HUGE_PAGE]
 
 
-def test_round_trip_through_the_host_process_is_bit_exact_and_frees_the_copy(
-    monkeypatch: pytest.MonkeyPatch, own_host: None
-) -> None:
-    monkeypatch.setattr(_backends, "_SPILL_CHUNK", 100)  # several threads per part
+def _count_spill_jobs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The list each ``_Spill._in_parallel`` call appends its job count to (the copy
+    still runs)."""
     jobs: list[int] = []
     real = _Spill._in_parallel
 
@@ -95,6 +102,14 @@ def test_round_trip_through_the_host_process_is_bit_exact_and_frees_the_copy(
         real(batch)
 
     monkeypatch.setattr(_Spill, "_in_parallel", staticmethod(counted))
+    return jobs
+
+
+def test_round_trip_through_the_host_process_is_bit_exact_and_frees_the_copy(
+    monkeypatch: pytest.MonkeyPatch, own_host: None
+) -> None:
+    monkeypatch.setattr(_backends, "_SPILL_CHUNK", 100)  # several threads per part
+    jobs = _count_spill_jobs(monkeypatch)
     model, opt = _trained()
     backend = HostCopyBackend(CPU, spill_files=3)
     manager = OffloadManager(model, opt, backend=backend)
@@ -174,12 +189,8 @@ def test_failed_write_moves_nothing_and_frees_the_region(
         patch.setattr(_host_process, "_vm_write", _failing(errno.ENOMEM))
         with pytest.raises(OSError, match="Cannot allocate memory"):
             manager.sleep()
-    assert not manager.is_asleep and manager.device_bytes() == resident
     assert backend.host_bytes() == 0
-    assert_bit_exact(before, snapshot(model, opt))
-    manager.sleep()
-    manager.wake_up()
-    assert_bit_exact(before, snapshot(model, opt))
+    assert_a_failed_sleep_kept_everything(manager, model, opt, before, resident)
 
 
 def _asleep_in_the_host_process() -> tuple[
@@ -410,14 +421,7 @@ def test_a_part_smaller_than_a_chunk_is_copied_without_threads(
 ) -> None:
     """Threads share a copy by chunks of ``_SPILL_CHUNK``: a part smaller than one is
     one job (no thread pool), whatever ``spill_files`` allows."""
-    jobs: list[int] = []
-    real = _Spill._in_parallel
-
-    def counted(batch: Any) -> None:
-        jobs.append(len(batch))
-        real(batch)
-
-    monkeypatch.setattr(_Spill, "_in_parallel", staticmethod(counted))
+    jobs = _count_spill_jobs(monkeypatch)
     model, opt = _trained()
     backend = HostCopyBackend(CPU, spill_to="process", spill_files=3)
     manager = OffloadManager(model, opt, backend=backend)
