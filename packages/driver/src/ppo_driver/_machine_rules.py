@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ppo_placement import cluster_address_problem
-from ppo_trainer import OFFLOAD_ALIASES, OFFLOAD_BACKENDS, memory_saver_problem
+from ppo_trainer import OFFLOAD_BACKENDS, memory_saver_problem, offload_backend_name
 
 from ppo_driver import _machine
 from ppo_driver.config.packages import ROLES, cluster_layout
@@ -116,7 +116,7 @@ def offload_problems(cfg: DriverConfig, *, refused: Collection[str]) -> list[Con
     out = []
     for role in ROLES:
         m, key = cfg.model(role), f"{role}.offload_backend"
-        name = OFFLOAD_ALIASES.get(m.offload_backend, m.offload_backend)  # as the trainer reads it
+        name = offload_backend_name(m.offload_backend)  # as the trainer reads it
         if name not in OFFLOAD_BACKENDS or key in refused:
             continue
         if name == "none":

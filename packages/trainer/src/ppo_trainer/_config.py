@@ -18,23 +18,31 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCHEDULERS",
-    "OFFLOAD_ALIASES",
     "OFFLOAD_BACKENDS",
     "ActorConfig",
     "CriticConfig",
     "ModelSpec",
     "TrainerConfigError",
     "TrainerProblem",
+    "offload_backend_name",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token", "sample")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 OFFLOAD_BACKENDS = ("auto", "host_copy", "memory_saver", "none")
-#: Accepted and normalised to their OFFLOAD_BACKENDS spelling (ppo_lifecycle's name).
-OFFLOAD_ALIASES = {"torch_memory_saver": "memory_saver"}
+# Accepted and normalised to their OFFLOAD_BACKENDS spelling (ppo_lifecycle's name).
+_OFFLOAD_ALIASES = {"torch_memory_saver": "memory_saver"}
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+
+
+def offload_backend_name(name: str) -> str:
+    """The :data:`OFFLOAD_BACKENDS` name a config's ``offload_backend`` is read as: its
+    own, or the one an accepted alias stands for (``torch_memory_saver``:
+    ``memory_saver``)."""
+    return _OFFLOAD_ALIASES.get(name, name)
+
 
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token", "sample"]
@@ -218,8 +226,7 @@ class _TrainConfig:
     _SECTION: ClassVar[str] = "train"
 
     def __post_init__(self) -> None:
-        if self.offload_backend in OFFLOAD_ALIASES:
-            object.__setattr__(self, "offload_backend", OFFLOAD_ALIASES[self.offload_backend])
+        object.__setattr__(self, "offload_backend", offload_backend_name(self.offload_backend))
         _raise_problems(self)
 
     @classmethod
@@ -227,8 +234,7 @@ class _TrainConfig:
         """Every problem of these field values (the others at their defaults), at once;
         ``model`` is a built :class:`ModelSpec` (its own :meth:`ModelSpec.problems`)."""
         v = _values(cls, values)
-        if v["offload_backend"] in OFFLOAD_ALIASES:
-            v["offload_backend"] = OFFLOAD_ALIASES[v["offload_backend"]]
+        v["offload_backend"] = offload_backend_name(v["offload_backend"])
         out = [
             TrainerProblem(name, v[name], why, fix, cls._SECTION)
             for name, why, fix in (*_train_rules(v), *cls._own_rules(v))

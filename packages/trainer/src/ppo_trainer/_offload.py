@@ -39,6 +39,8 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from ppo_trainer._config import offload_backend_name
+
 __all__ = [
     "CommunicatorSuspender",
     "SuspendableComm",
@@ -123,7 +125,7 @@ def resolve_offload_backend(
     (``ppo_lifecycle``'s ``torch_memory_saver`` is read as ``memory_saver``).
     """
     dev = torch.device(device)
-    choice = "memory_saver" if requested == "torch_memory_saver" else requested
+    choice = offload_backend_name(requested)
     if choice == "host_copy":
         return "host_copy"
     if choice == "none":
